@@ -1,0 +1,104 @@
+//! The `trellara` command line: one file per subcommand. Commands whose
+//! feature has not landed say so and name the issue, instead of pretending.
+//!
+//! Exit status: 0 success, 1 error, 2 bad usage (clap).
+
+mod log;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use std::process::ExitCode;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "trellara",
+    version,
+    about = "Verified change data for PostgreSQL",
+    long_about = None
+)]
+pub struct Cli {
+    /// More logging: -v info, -vv debug, -vvv trace (RUST_LOG wins when set).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Output shape of reporting commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum Format {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Write a trellara.yml for a flow.
+    Init(NotBuilt),
+    /// Validate a config offline, or grade a source (read-only).
+    Check(NotBuilt),
+    /// Check the live source and target for a configured flow.
+    Preflight(NotBuilt),
+    /// Run a flow: capture, durable log, apply, optionally verify.
+    Run(NotBuilt),
+    /// Prove convergence or name the divergence and its recovery command.
+    Verify(NotBuilt),
+    /// Flow status, diagnostics and reports.
+    Status(NotBuilt),
+    /// Fleet configuration, reports and scorecards.
+    Fleet(NotBuilt),
+    /// Lakehouse fan-in plans and epochs.
+    Lake(NotBuilt),
+    /// Show or migrate configuration.
+    Config(NotBuilt),
+    /// Inspect and verify a durable segment log directory.
+    #[command(hide = true)]
+    Log(log::LogArgs),
+    /// Run the failure matrix.
+    #[command(hide = true)]
+    Chaos(NotBuilt),
+}
+
+/// Arguments of a command that has not landed yet: accepted, then refused
+/// with the issue that builds it.
+#[derive(Debug, clap::Args)]
+pub struct NotBuilt {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    args: Vec<String>,
+}
+
+pub fn init_tracing(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let (name, issue) = match cli.command {
+        Command::Log(args) => return log::run(args),
+        Command::Init(_) => ("init", "issue 5 (config and the verified flow)"),
+        Command::Check(_) => ("check", "issue 6 (trellara-check, the read-only grader)"),
+        Command::Preflight(_) => ("preflight", "issues 5 and 6"),
+        Command::Run(_) => ("run", "issues 3-5 (capture, apply and the verified flow)"),
+        Command::Verify(_) => ("verify", "issue 5 (the verified flow)"),
+        Command::Status(_) => ("status", "issue 5 (the verified flow)"),
+        Command::Fleet(_) => ("fleet", "the fleet fan-in issue"),
+        Command::Lake(_) => ("lake", "the fleet fan-in issue"),
+        Command::Config(_) => ("config", "issue 5 (config schema v2)"),
+        Command::Chaos(_) => ("chaos", "issue 7 (the failure matrix)"),
+    };
+    anyhow::bail!(
+        "`trellara {name}` is not built yet; it arrives with {issue}.\n\
+         hint: what works today is the durable segment log (`trellara log inspect --dir DIR`); see README.md"
+    )
+}

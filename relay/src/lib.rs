@@ -1,0 +1,6 @@
+//! The relay: the `trellara` CLI ([`cli`]) and the durable segment log
+//! ([`log`]) the relay publishes into before acknowledging the source.
+//! Transports, the applier and verification arrive with their issues.
+
+pub mod cli;
+pub mod log;

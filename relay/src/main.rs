@@ -1,0 +1,19 @@
+//! `trellara`: parse arguments, set up tracing, dispatch. Everything else
+//! lives in the library so tests and the simulator drive the same code.
+
+use clap::Parser;
+use std::process::ExitCode;
+use trellara_relay::cli::{self, Cli};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    cli::init_tracing(cli.verbose);
+    match cli::run(cli) {
+        Ok(code) => code,
+        Err(err) => {
+            // `{:#}` prints the whole context chain: what failed and why.
+            eprintln!("error: {err:#}");
+            ExitCode::from(1)
+        }
+    }
+}
