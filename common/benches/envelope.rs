@@ -24,6 +24,9 @@ fn bench(c: &mut Criterion) {
                 black_box(buf.len())
             })
         });
+        group.bench_function(format!("validate/{label}"), |b| {
+            b.iter(|| trellara_common::envelope::validate(black_box(&envelope)).expect("valid"))
+        });
         group.bench_function(format!("decode+validate/{label}"), |b| {
             b.iter(|| decode(black_box(&bytes)).expect("valid"))
         });
