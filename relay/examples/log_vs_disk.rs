@@ -57,7 +57,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let stats = log.stats();
     drop(log);
     std::fs::remove_dir_all(&log_dir)?;
-    let per_fsync = (stats.records as f64 / stats.fsyncs.max(1) as f64).round().max(1.0) as usize;
+    let per_fsync = (stats.records as f64 / stats.fsyncs.max(1) as f64)
+        .round()
+        .max(1.0) as usize;
 
     let raw_path = dir.join("raw.dat");
     let mut file = OpenOptions::new()
