@@ -1,5 +1,13 @@
 //! External capture for managed PostgreSQL, where no extension can be
-//! installed: the pgoutput decoder ([`pgoutput`]). It produces exactly the
-//! envelope the native path produces.
+//! installed. It produces exactly the envelope the native path produces.
+//!
+//! ```text
+//!  XLogData ─▶ pgoutput::decode ─▶ Assembler ─▶ Envelope(s) per commit
+//!                                   │ spills large / streamed txns (Spool)
+//! ```
 
+pub mod assembler;
 pub mod pgoutput;
+mod spool;
+
+pub use assembler::{AssembleOrSink, Assembler, AssemblerConfig, AssemblerStats, AssemblyError};

@@ -1,0 +1,637 @@
+//! Turns decoded pgoutput messages into envelopes: one per committed
+//! transaction (or, past `chunk_bytes`, a run of chunked envelopes), in
+//! commit order.
+//!
+//! ```text
+//!  Begin ─ changes ─ Commit ─────────────────────────────▶ envelope(s)
+//!  Stream Start(x) ─ changes ─ Stream Stop ─ ... ─ Stream Commit(x) ─▶ envelope(s)
+//!                                              └─ Stream Abort(x, sub) ─▶ discard sub..
+//! ```
+//!
+//! Invariants:
+//! * Nothing is emitted before its commit: streamed in-progress transactions
+//!   are held per top-level xid (interleaved streams stay apart) and dropped
+//!   on Stream Abort - only the aborted subtransaction's changes and those
+//!   after them, as PostgreSQL's own apply worker does, on a subtransaction
+//!   abort.
+//! * Memory is bounded: every transaction's changes go to a [`Spool`] that
+//!   spills past `memory_budget`; at commit the changes are read back one
+//!   chunk (at most `chunk_bytes` of changes) at a time.
+//! * Schema is pinned: the first fingerprint seen for a relation (or the one
+//!   given at start) is kept; a Relation message with another fingerprint
+//!   stops capture with [`AssemblyError::SchemaDrift`] naming the relation
+//!   and both fingerprints, before any row under the new schema is assembled.
+//! * A row for a relation whose metadata never arrived fails closed.
+
+use crate::pgoutput::{self, Column, Message, OldKind};
+use crate::spool::{Mark, Spool};
+use prost::Message as _;
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use trellara_common::envelope::{
+    self, BeforeImage, Boundary, Capture, Change, ColumnSchema, Envelope, LogicalMessage,
+    Operation, PROTOCOL_VERSION, RelationSchema, ReplicaIdentity, RowChange, SourceIdentity, Value,
+    boundary, capture, change, value,
+};
+use trellara_common::fingerprint::fingerprint;
+
+#[derive(Debug, Clone)]
+pub struct AssemblerConfig {
+    pub source: SourceIdentity,
+    pub server_version_num: u32,
+    /// `pgoutput/1` or `pgoutput/2`, recorded in every envelope.
+    pub decoder: String,
+    /// In-memory bytes per transaction before its changes spill to disk.
+    pub memory_budget: usize,
+    /// Changes per envelope, in encoded bytes; a larger transaction becomes
+    /// several chunked envelopes.
+    pub chunk_bytes: usize,
+    pub spill_dir: PathBuf,
+    /// Fingerprints pinned before capture started, by `namespace.name`.
+    pub pinned: HashMap<String, u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AssemblyError {
+    #[error(
+        "schema drift on {relation}: pinned fingerprint {pinned:#018x}, the source now sends {found:#018x}; capture stopped before assembling rows under the new schema\n\
+         hint: review the DDL, then re-pin with a reseed of {relation}"
+    )]
+    SchemaDrift {
+        relation: String,
+        pinned: u64,
+        found: u64,
+    },
+    #[error(
+        "{operation} for relation oid {relation_id} arrived without its Relation message; capture stopped (fail closed)"
+    )]
+    UnknownRelation {
+        operation: &'static str,
+        relation_id: u32,
+    },
+    #[error(
+        "{operation} on {relation}: tuple has {found} columns, the Relation message declared {expected}"
+    )]
+    TupleWidth {
+        operation: &'static str,
+        relation: String,
+        expected: usize,
+        found: usize,
+    },
+    #[error("{message} arrived outside a transaction")]
+    OutsideTransaction { message: &'static str },
+    #[error("{message} arrived while transaction {xid} was still open")]
+    NestedTransaction { message: &'static str, xid: u32 },
+    #[error("Stream Commit for transaction {xid}, which never streamed")]
+    UnknownStream { xid: u32 },
+    #[error("text value of {relation}.{column} is not UTF-8; Trellara requires UTF8 databases")]
+    NotUtf8 { relation: String, column: String },
+    #[error("spilling transaction {xid} to disk failed: {source}")]
+    Spill {
+        xid: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("assembled envelope for transaction {xid} is invalid: {source}")]
+    Invalid {
+        xid: u32,
+        #[source]
+        source: envelope::EnvelopeError,
+    },
+    #[error("a spilled change of transaction {xid} did not decode: {source}")]
+    Respool {
+        xid: u32,
+        #[source]
+        source: prost::DecodeError,
+    },
+}
+
+/// One transaction being assembled.
+#[derive(Debug)]
+struct Txn {
+    xid: u32,
+    begin_lsn: u64,
+    origin: String,
+    spool: Spool,
+    /// Schema of every relation a change refers to, as of its first use.
+    relations: BTreeMap<u32, RelationSchema>,
+    /// Where each subtransaction's first change starts (streamed only).
+    subxacts: HashMap<u32, Mark>,
+}
+
+impl Txn {
+    fn new(xid: u32, begin_lsn: u64, budget: usize) -> Self {
+        Txn {
+            xid,
+            begin_lsn,
+            origin: String::new(),
+            spool: Spool::new(budget),
+            relations: BTreeMap::new(),
+            subxacts: HashMap::new(),
+        }
+    }
+}
+
+/// Where the next data message goes.
+#[derive(Debug)]
+enum Open {
+    None,
+    Plain(Txn),
+    Stream(u32),
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct AssemblerStats {
+    pub transactions: u64,
+    pub envelopes: u64,
+    pub changes: u64,
+    pub spilled_transactions: u64,
+    pub aborted_streams: u64,
+    /// Most change bytes any one transaction held in memory.
+    pub peak_memory: usize,
+    /// Non-transactional logical messages: they belong to no transaction,
+    /// so no envelope carries them; counted, not silently lost.
+    pub skipped_nontransactional_messages: u64,
+}
+
+#[derive(Debug)]
+pub struct Assembler {
+    config: AssemblerConfig,
+    relations: HashMap<u32, RelationSchema>,
+    pinned: HashMap<String, u64>,
+    open: Open,
+    streams: HashMap<u32, Txn>,
+    stats: AssemblerStats,
+}
+
+impl Assembler {
+    pub fn new(config: AssemblerConfig) -> Self {
+        let pinned = config.pinned.clone();
+        Assembler {
+            config,
+            relations: HashMap::new(),
+            pinned,
+            open: Open::None,
+            streams: HashMap::new(),
+            stats: AssemblerStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> AssemblerStats {
+        self.stats
+    }
+
+    /// Pinned fingerprints, by `namespace.name`.
+    pub fn pinned(&self) -> &HashMap<String, u64> {
+        &self.pinned
+    }
+
+    /// True between Begin and Commit or Stream Start and Stream Stop, or
+    /// while any streamed transaction awaits its commit or abort: then the
+    /// source position must not be advanced past what was emitted.
+    pub fn in_transaction(&self) -> bool {
+        !matches!(self.open, Open::None) || !self.streams.is_empty()
+    }
+
+    /// Feeds one message; `wal_start` is its XLogData start position.
+    /// Committed transactions are handed to `emit` one envelope at a time.
+    pub fn handle<E>(
+        &mut self,
+        message: Message,
+        wal_start: u64,
+        emit: &mut dyn FnMut(Envelope) -> Result<(), E>,
+    ) -> Result<(), AssembleOrSink<E>> {
+        match message {
+            Message::Begin(begin) => {
+                if let Open::Plain(txn) = &self.open {
+                    return Err(AssemblyError::NestedTransaction {
+                        message: "Begin",
+                        xid: txn.xid,
+                    }
+                    .into());
+                }
+                let first = if wal_start != 0 {
+                    wal_start
+                } else {
+                    begin.final_lsn
+                };
+                self.open = Open::Plain(Txn::new(begin.xid, first, self.config.memory_budget));
+            }
+            Message::Commit(commit) => {
+                let Open::Plain(txn) = std::mem::replace(&mut self.open, Open::None) else {
+                    return Err(AssemblyError::OutsideTransaction { message: "Commit" }.into());
+                };
+                self.finish(
+                    txn,
+                    commit.commit_lsn,
+                    commit.end_lsn,
+                    commit.commit_time,
+                    emit,
+                )?;
+            }
+            Message::Origin(origin) => match self.current() {
+                Some(txn) => txn.origin = origin.name,
+                None => return Err(AssemblyError::OutsideTransaction { message: "Origin" }.into()),
+            },
+            Message::Relation(rel) => self.relation(rel)?,
+            Message::Type(_) => {}
+            Message::StreamStart(start) => {
+                if let Open::Plain(txn) = &self.open {
+                    return Err(AssemblyError::NestedTransaction {
+                        message: "Stream Start",
+                        xid: txn.xid,
+                    }
+                    .into());
+                }
+                let budget = self.config.memory_budget;
+                self.streams
+                    .entry(start.xid)
+                    .or_insert_with(|| Txn::new(start.xid, wal_start, budget));
+                self.open = Open::Stream(start.xid);
+            }
+            Message::StreamStop => self.open = Open::None,
+            Message::StreamCommit(commit) => {
+                let txn = self
+                    .streams
+                    .remove(&commit.xid)
+                    .ok_or(AssemblyError::UnknownStream { xid: commit.xid })?;
+                self.finish(
+                    txn,
+                    commit.commit_lsn,
+                    commit.end_lsn,
+                    commit.commit_time,
+                    emit,
+                )?;
+            }
+            Message::StreamAbort(abort) => {
+                self.stats.aborted_streams += 1;
+                if abort.xid == abort.subxid {
+                    self.streams.remove(&abort.xid);
+                } else if let Some(txn) = self.streams.get_mut(&abort.xid)
+                    && let Some(mark) = txn.subxacts.get(&abort.subxid).copied()
+                {
+                    txn.spool
+                        .truncate(mark)
+                        .map_err(|source| AssemblyError::Spill {
+                            xid: abort.xid,
+                            source,
+                        })?;
+                    // Subtransactions that started after the aborted one
+                    // went with it.
+                    txn.subxacts.retain(|_, m| m.bytes < mark.bytes);
+                }
+            }
+            Message::Message(msg) if !msg.transactional => {
+                self.stats.skipped_nontransactional_messages += 1;
+            }
+            Message::Message(msg) => {
+                let body = change::Body::Message(LogicalMessage {
+                    prefix: msg.prefix,
+                    content: msg.content.to_vec(),
+                });
+                self.push(body, None, msg.xid, "Message")?;
+            }
+            Message::Insert(insert) => {
+                let relation = self.relation_for(insert.relation, "Insert")?;
+                let after = self.image(&relation, insert.new, "Insert", false)?;
+                let row = row(
+                    &relation,
+                    Operation::Insert,
+                    BeforeImage::None,
+                    Vec::new(),
+                    after,
+                );
+                self.push(row, Some(relation), insert.xid, "Insert")?;
+            }
+            Message::Update(update) => {
+                let relation = self.relation_for(update.relation, "Update")?;
+                let (kind, before) = match update.old {
+                    None => (BeforeImage::None, Vec::new()),
+                    Some((OldKind::Key, old)) => (
+                        BeforeImage::Key,
+                        self.image(&relation, old, "Update", true)?,
+                    ),
+                    Some((OldKind::Full, old)) => (
+                        BeforeImage::Full,
+                        self.image(&relation, old, "Update", false)?,
+                    ),
+                };
+                let after = self.image(&relation, update.new, "Update", false)?;
+                let row = row(&relation, Operation::Update, kind, before, after);
+                self.push(row, Some(relation), update.xid, "Update")?;
+            }
+            Message::Delete(delete) => {
+                let relation = self.relation_for(delete.relation, "Delete")?;
+                let key_only = delete.old_kind == OldKind::Key;
+                let kind = if key_only {
+                    BeforeImage::Key
+                } else {
+                    BeforeImage::Full
+                };
+                let before = self.image(&relation, delete.old, "Delete", key_only)?;
+                let row = row(&relation, Operation::Delete, kind, before, Vec::new());
+                self.push(row, Some(relation), delete.xid, "Delete")?;
+            }
+            Message::Truncate(truncate) => {
+                for relation_id in truncate.relations {
+                    let relation = self.relation_for(relation_id, "Truncate")?;
+                    let body = change::Body::Row(RowChange {
+                        relation_id,
+                        operation: Operation::Truncate as i32,
+                        before_kind: BeforeImage::None as i32,
+                        before: Vec::new(),
+                        after: Vec::new(),
+                        truncate_cascade: truncate.cascade,
+                        truncate_restart_identity: truncate.restart_identity,
+                    });
+                    self.push(body, Some(relation), truncate.xid, "Truncate")?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn current(&mut self) -> Option<&mut Txn> {
+        match &mut self.open {
+            Open::None => None,
+            Open::Plain(txn) => Some(txn),
+            Open::Stream(xid) => self.streams.get_mut(xid),
+        }
+    }
+
+    fn relation(&mut self, rel: pgoutput::Relation) -> Result<(), AssemblyError> {
+        let namespace = if rel.namespace.is_empty() {
+            "pg_catalog".to_owned()
+        } else {
+            rel.namespace
+        };
+        let replica_identity = match rel.replica_identity {
+            b'd' => ReplicaIdentity::Default,
+            b'n' => ReplicaIdentity::Nothing,
+            b'f' => ReplicaIdentity::Full,
+            _ => ReplicaIdentity::Index,
+        };
+        let mut schema = RelationSchema {
+            relation_id: rel.oid,
+            namespace,
+            name: rel.name,
+            replica_identity: replica_identity as i32,
+            columns: rel
+                .columns
+                .into_iter()
+                .map(|c| ColumnSchema {
+                    name: c.name,
+                    type_oid: c.type_oid,
+                    type_modifier: c.type_modifier,
+                    key: c.key,
+                })
+                .collect(),
+            fingerprint: 0,
+        };
+        schema.fingerprint = fingerprint(&schema);
+        let qualified = format!("{}.{}", schema.namespace, schema.name);
+        match self.pinned.get(&qualified) {
+            Some(&pinned) if pinned != schema.fingerprint => {
+                return Err(AssemblyError::SchemaDrift {
+                    relation: qualified,
+                    pinned,
+                    found: schema.fingerprint,
+                });
+            }
+            Some(_) => {}
+            None => {
+                self.pinned.insert(qualified, schema.fingerprint);
+            }
+        }
+        self.relations.insert(schema.relation_id, schema);
+        Ok(())
+    }
+
+    fn relation_for(
+        &self,
+        relation_id: u32,
+        operation: &'static str,
+    ) -> Result<RelationSchema, AssemblyError> {
+        self.relations
+            .get(&relation_id)
+            .cloned()
+            .ok_or(AssemblyError::UnknownRelation {
+                operation,
+                relation_id,
+            })
+    }
+
+    /// Maps a TupleData onto the relation's columns. In a key-only old
+    /// image, pgoutput sends non-key columns as NULL: they are `absent`.
+    fn image(
+        &self,
+        relation: &RelationSchema,
+        columns: Vec<Column>,
+        operation: &'static str,
+        key_only: bool,
+    ) -> Result<Vec<Value>, AssemblyError> {
+        if columns.len() != relation.columns.len() {
+            return Err(AssemblyError::TupleWidth {
+                operation,
+                relation: format!("{}.{}", relation.namespace, relation.name),
+                expected: relation.columns.len(),
+                found: columns.len(),
+            });
+        }
+        columns
+            .into_iter()
+            .zip(&relation.columns)
+            .map(|(column, schema)| {
+                let kind = match column {
+                    _ if key_only && !schema.key => value::Kind::Absent(true),
+                    Column::Null => value::Kind::Null(true),
+                    Column::UnchangedToast => value::Kind::UnchangedToast(true),
+                    Column::Binary(b) => value::Kind::Binary(b.to_vec()),
+                    Column::Text(t) => {
+                        value::Kind::Text(String::from_utf8(t.to_vec()).map_err(|_| {
+                            AssemblyError::NotUtf8 {
+                                relation: format!("{}.{}", relation.namespace, relation.name),
+                                column: schema.name.clone(),
+                            }
+                        })?)
+                    }
+                };
+                Ok(Value { kind: Some(kind) })
+            })
+            .collect()
+    }
+
+    fn push(
+        &mut self,
+        body: change::Body,
+        relation: Option<RelationSchema>,
+        subxid: Option<u32>,
+        message: &'static str,
+    ) -> Result<(), AssemblyError> {
+        let spill_dir = self.config.spill_dir.clone();
+        let txn = self
+            .current()
+            .ok_or(AssemblyError::OutsideTransaction { message })?;
+        if let Some(sub) = subxid {
+            let mark = txn.spool.mark();
+            txn.subxacts.entry(sub).or_insert(mark);
+        }
+        if let Some(relation) = relation {
+            txn.relations
+                .entry(relation.relation_id)
+                .or_insert(relation);
+        }
+        let encoded = Change {
+            sequence: 0,
+            body: Some(body),
+        }
+        .encode_to_vec();
+        let was_spilled = txn.spool.is_spilled();
+        let xid = txn.xid;
+        txn.spool
+            .push(&encoded, &spill_dir)
+            .map_err(|source| AssemblyError::Spill { xid, source })?;
+        if !was_spilled && txn.spool.is_spilled() {
+            self.stats.spilled_transactions += 1;
+        }
+        self.stats.changes += 1;
+        Ok(())
+    }
+
+    /// Emits the committed transaction as one whole envelope or a run of
+    /// chunks of at most `chunk_bytes` of changes each.
+    fn finish<E>(
+        &mut self,
+        mut txn: Txn,
+        commit_lsn: u64,
+        end_lsn: u64,
+        commit_time: i64,
+        emit: &mut dyn FnMut(Envelope) -> Result<(), E>,
+    ) -> Result<(), AssembleOrSink<E>> {
+        let xid = txn.xid;
+        let spill = |source| AssemblyError::Spill { xid, source };
+        let total = txn.spool.records();
+        self.stats.peak_memory = self.stats.peak_memory.max(txn.spool.peak_memory());
+        // Pass 1: where chunks start, from record sizes alone.
+        let mut chunk_starts = vec![0u64];
+        {
+            let mut reader = txn.spool.reader().map_err(spill)?;
+            let (mut index, mut bytes) = (0u64, 0usize);
+            while let Some(record) = reader.next_record().map_err(spill)? {
+                let size = record.len() + CHANGE_FRAMING_BOUND;
+                if bytes > 0 && bytes + size > self.config.chunk_bytes {
+                    chunk_starts.push(index);
+                    bytes = 0;
+                }
+                bytes += size;
+                index += 1;
+            }
+        }
+        let chunk_count = chunk_starts.len() as u32;
+        let mode = if chunk_count == 1 {
+            boundary::Mode::Whole
+        } else {
+            boundary::Mode::Chunked
+        };
+        let begin_lsn = if txn.begin_lsn != 0 && txn.begin_lsn <= commit_lsn {
+            txn.begin_lsn
+        } else {
+            commit_lsn
+        };
+        // Pass 2: build and hand over one chunk at a time.
+        let mut reader = txn.spool.reader().map_err(spill)?;
+        let mut sequence = 0u64;
+        for (chunk_index, &first_sequence) in chunk_starts.iter().enumerate() {
+            let end = chunk_starts.get(chunk_index + 1).copied().unwrap_or(total);
+            let mut changes = Vec::with_capacity((end - first_sequence) as usize);
+            let mut used = BTreeMap::new();
+            while sequence < end {
+                let Some(record) = reader.next_record().map_err(spill)? else {
+                    break;
+                };
+                let mut change = Change::decode(record)
+                    .map_err(|source| AssemblyError::Respool { xid, source })?;
+                change.sequence = sequence;
+                if let Some(change::Body::Row(row)) = &change.body
+                    && let Some(schema) = txn.relations.get(&row.relation_id)
+                {
+                    used.entry(row.relation_id)
+                        .or_insert_with(|| schema.clone());
+                }
+                changes.push(change);
+                sequence += 1;
+            }
+            let envelope = Envelope {
+                protocol_version: PROTOCOL_VERSION,
+                source: Some(self.config.source.clone()),
+                xid: u64::from(xid),
+                begin_lsn,
+                commit_lsn,
+                end_lsn,
+                commit_time_micros: commit_time + pgoutput::POSTGRES_EPOCH_UNIX_MICROS,
+                relations: used.into_values().collect(),
+                changes,
+                boundary: Some(Boundary {
+                    mode: mode as i32,
+                    chunk_index: chunk_index as u32,
+                    chunk_count,
+                    first_sequence,
+                    total_changes: total,
+                    partition: 0,
+                    manifest_partitions: Vec::new(),
+                }),
+                origin: txn.origin.clone(),
+                capture: Some(Capture {
+                    path: capture::Path::External as i32,
+                    server_version_num: self.config.server_version_num,
+                    decoder: self.config.decoder.clone(),
+                    captured_at_micros: now_micros(),
+                }),
+                checksum: 0,
+            };
+            envelope::validate(&envelope)
+                .map_err(|source| AssemblyError::Invalid { xid, source })?;
+            emit(envelope).map_err(AssembleOrSink::Sink)?;
+            self.stats.envelopes += 1;
+        }
+        self.stats.transactions += 1;
+        Ok(())
+    }
+}
+
+/// Most bytes a spooled change grows by inside an envelope: its sequence
+/// (key + varint up to 10 bytes) plus the repeated field's key and length.
+const CHANGE_FRAMING_BOUND: usize = 1 + 10 + 1 + 5;
+
+fn row(
+    relation: &RelationSchema,
+    operation: Operation,
+    before_kind: BeforeImage,
+    before: Vec<Value>,
+    after: Vec<Value>,
+) -> change::Body {
+    change::Body::Row(RowChange {
+        relation_id: relation.relation_id,
+        operation: operation as i32,
+        before_kind: before_kind as i32,
+        before,
+        after,
+        truncate_cascade: false,
+        truncate_restart_identity: false,
+    })
+}
+
+fn now_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+/// Either the assembler refused, or the sink (the durable log) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AssembleOrSink<E> {
+    #[error(transparent)]
+    Assembly(#[from] AssemblyError),
+    #[error("publishing the envelope failed")]
+    Sink(#[source] E),
+}
