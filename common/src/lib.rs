@@ -1,10 +1,12 @@
 //! Shared by every Trellara crate: the envelope v1 wire contract
-//! ([`envelope`]), log sequence numbers ([`lsn`]) and pinned schema
-//! fingerprints ([`fingerprint`]).
+//! ([`envelope`]), log sequence numbers ([`lsn`]), pinned schema
+//! fingerprints ([`fingerprint`]) and the native extension's frames
+//! ([`native_frame`]).
 
 pub mod envelope;
 pub mod fingerprint;
 pub mod lsn;
+pub mod native_frame;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod sample;
 
