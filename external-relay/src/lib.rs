@@ -8,6 +8,7 @@
 
 pub mod assembler;
 pub mod pgoutput;
+pub mod pgwire;
 mod spool;
 
 pub use assembler::{AssembleOrSink, Assembler, AssemblerConfig, AssemblerStats, AssemblyError};

@@ -2,5 +2,6 @@
 //! ([`log`]) the relay publishes into before acknowledging the source.
 //! Transports, the applier and verification arrive with their issues.
 
+pub mod capture;
 pub mod cli;
 pub mod log;

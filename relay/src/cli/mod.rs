@@ -4,6 +4,7 @@
 //! Exit status: 0 success, 1 error, 2 bad usage (clap).
 
 mod log;
+mod relay;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::process::ExitCode;
@@ -55,6 +56,9 @@ pub enum Command {
     /// Inspect and verify a durable segment log directory.
     #[command(hide = true)]
     Log(log::LogArgs),
+    /// Run the external capture stage alone: a pgoutput slot into a durable log.
+    #[command(hide = true)]
+    Relay(relay::RelayArgs),
     /// Run the failure matrix.
     #[command(hide = true)]
     Chaos(NotBuilt),
@@ -86,6 +90,7 @@ pub fn init_tracing(verbose: u8) {
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let (name, issue) = match cli.command {
         Command::Log(args) => return log::run(args),
+        Command::Relay(args) => return relay::run(args),
         Command::Init(_) => ("init", "issue 5 (config and the verified flow)"),
         Command::Check(_) => ("check", "issue 6 (trellara-check, the read-only grader)"),
         Command::Preflight(_) => ("preflight", "issues 5 and 6"),

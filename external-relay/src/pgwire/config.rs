@@ -1,0 +1,197 @@
+//! Connection options from a libpq-style URL or key=value string.
+//!
+//! tokio-postgres parses everything it knows; the two TLS settings it does
+//! not (`sslmode=verify-ca|verify-full`, `sslrootcert`) are taken out first.
+
+use super::WireError;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SslMode {
+    Disable,
+    /// TLS if the server offers it, unverified (libpq's default).
+    Prefer,
+    /// TLS, certificate unverified unless `sslrootcert` is given.
+    Require,
+    /// TLS, certificate chain verified, host name not.
+    VerifyCa,
+    /// TLS, chain and host name verified.
+    VerifyFull,
+}
+
+#[derive(Clone)]
+pub struct ConnectOptions {
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    pub password: Option<Vec<u8>>,
+    pub dbname: String,
+    pub application_name: String,
+    pub ssl_mode: SslMode,
+    pub ssl_root_cert: Option<PathBuf>,
+    pub connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for ConnectOptions {
+    // Never print the password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectOptions")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("user", &self.user)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("dbname", &self.dbname)
+            .field("ssl_mode", &self.ssl_mode)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConnectOptions {
+    /// `host:port/dbname` for messages; no credentials.
+    pub fn target(&self) -> String {
+        format!("{}:{}/{}", self.host, self.port, self.dbname)
+    }
+}
+
+impl FromStr for ConnectOptions {
+    type Err = WireError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (rest, ssl_mode, ssl_root_cert) = take_tls_params(s);
+        let config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
+            WireError::Config(format!(
+                "{e}; expected postgresql://user[:password]@host[:port]/dbname[?sslmode=...] or host=... dbname=..."
+            ))
+        })?;
+        let host = match config.get_hosts() {
+            [tokio_postgres::config::Host::Tcp(h)] => h.clone(),
+            [] => "localhost".to_owned(),
+            _ => {
+                return Err(WireError::Config(
+                    "exactly one TCP host is supported (no Unix sockets, no host lists)".into(),
+                ));
+            }
+        };
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let user = config
+            .get_user()
+            .ok_or_else(|| WireError::Config("no user given; add user@ to the URL".into()))?
+            .to_owned();
+        let ssl_mode = match ssl_mode {
+            Some(mode) => mode,
+            None => match config.get_ssl_mode() {
+                tokio_postgres::config::SslMode::Disable => SslMode::Disable,
+                tokio_postgres::config::SslMode::Require => SslMode::Require,
+                _ => SslMode::Prefer,
+            },
+        };
+        Ok(ConnectOptions {
+            host,
+            port,
+            dbname: config.get_dbname().unwrap_or(&user).to_owned(),
+            user,
+            password: config.get_password().map(<[u8]>::to_vec),
+            application_name: config
+                .get_application_name()
+                .unwrap_or("trellara")
+                .to_owned(),
+            ssl_mode,
+            ssl_root_cert,
+            connect_timeout: config
+                .get_connect_timeout()
+                .copied()
+                .unwrap_or(Duration::from_secs(10)),
+        })
+    }
+}
+
+/// Removes `sslmode=verify-*` and `sslrootcert=` from a URL query or a
+/// key=value string, returning what is left and the values taken.
+fn take_tls_params(s: &str) -> (String, Option<SslMode>, Option<PathBuf>) {
+    let mut mode = None;
+    let mut root = None;
+    let mut take = |key: &str, value: &str| -> bool {
+        match (key, value) {
+            ("sslmode", "verify-ca") => mode = Some(SslMode::VerifyCa),
+            ("sslmode", "verify-full") => mode = Some(SslMode::VerifyFull),
+            ("sslrootcert", path) => root = Some(PathBuf::from(path)),
+            _ => return false,
+        }
+        true
+    };
+    let rest = if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+        match s.split_once('?') {
+            Some((base, query)) => {
+                let kept: Vec<&str> = query
+                    .split('&')
+                    .filter(|kv| {
+                        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+                        !take(k, v)
+                    })
+                    .collect();
+                if kept.is_empty() {
+                    base.to_owned()
+                } else {
+                    format!("{base}?{}", kept.join("&"))
+                }
+            }
+            None => s.to_owned(),
+        }
+    } else {
+        s.split_whitespace()
+            .filter(|kv| {
+                let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+                !take(k.trim(), v.trim())
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    (rest, mode, root)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_urls_and_key_values() {
+        let o: ConnectOptions = "postgresql://rep:s3cret@db.example:6543/shop?sslmode=verify-full&sslrootcert=/etc/ca.pem&application_name=x"
+            .parse()
+            .expect("parses");
+        assert_eq!(
+            (o.host.as_str(), o.port, o.user.as_str(), o.dbname.as_str()),
+            ("db.example", 6543, "rep", "shop")
+        );
+        assert_eq!(o.password.as_deref(), Some(&b"s3cret"[..]));
+        assert_eq!(o.ssl_mode, SslMode::VerifyFull);
+        assert_eq!(o.ssl_root_cert, Some(PathBuf::from("/etc/ca.pem")));
+        assert_eq!(o.application_name, "x");
+        assert!(
+            !format!("{o:?}").contains("s3cret"),
+            "Debug must redact the password"
+        );
+
+        let kv: ConnectOptions =
+            "host=127.0.0.1 port=5433 user=postgres dbname=postgres sslmode=disable"
+                .parse()
+                .expect("parses");
+        assert_eq!((kv.port, kv.ssl_mode), (5433, SslMode::Disable));
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_do() {
+        assert!(
+            "postgresql://127.0.0.1/db"
+                .parse::<ConnectOptions>()
+                .is_err(),
+            "no user"
+        );
+        assert!(
+            "postgresql://u@h/db?bogus=1"
+                .parse::<ConnectOptions>()
+                .is_err()
+        );
+    }
+}

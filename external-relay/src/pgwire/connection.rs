@@ -1,0 +1,378 @@
+//! One `replication=database` session: startup, authentication (SCRAM-SHA-256,
+//! md5, password), and simple queries. The walsender accepts only the simple
+//! query protocol, for replication commands and plain SQL alike.
+
+use super::WireError;
+use super::config::ConnectOptions;
+use super::tls::{self, Io};
+use bytes::{Buf, BytesMut};
+use fallible_iterator::FallibleIterator;
+use postgres_protocol::authentication::sasl::{self, ChannelBinding, ScramSha256};
+use postgres_protocol::message::backend::{ErrorResponseBody, Header, Message};
+use postgres_protocol::message::frontend;
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Largest backend message accepted: pgoutput rows can carry values up to
+/// 1 GiB, plus headers.
+const MAX_MESSAGE_LEN: usize = (1 << 30) + (1 << 16);
+
+/// An ErrorResponse, in PostgreSQL's own words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{severity}: {message} (SQLSTATE {code}){}{}", detail.as_ref().map(|d| format!("\nDETAIL: {d}")).unwrap_or_default(), hint.as_ref().map(|h| format!("\nHINT: {h}")).unwrap_or_default())]
+pub struct PgError {
+    pub severity: String,
+    pub code: String,
+    pub message: String,
+    pub detail: Option<String>,
+    pub hint: Option<String>,
+}
+
+impl PgError {
+    pub(crate) fn parse(body: &ErrorResponseBody) -> PgError {
+        let mut e = PgError {
+            severity: "ERROR".into(),
+            code: String::new(),
+            message: String::new(),
+            detail: None,
+            hint: None,
+        };
+        let mut fields = body.fields();
+        while let Ok(Some(field)) = fields.next() {
+            let value = String::from_utf8_lossy(field.value_bytes()).into_owned();
+            match field.type_() {
+                b'S' => e.severity = value,
+                b'C' => e.code = value,
+                b'M' => e.message = value,
+                b'D' => e.detail = Some(value),
+                b'H' => e.hint = Some(value),
+                _ => {}
+            }
+        }
+        e
+    }
+}
+
+/// A result row in text format.
+#[derive(Debug, Clone)]
+pub struct Row {
+    columns: Arc<Vec<String>>,
+    values: Vec<Option<String>>,
+}
+
+impl Row {
+    /// The value of `column`; `None` for NULL or an unknown column.
+    pub fn get(&self, column: &str) -> Option<&str> {
+        let i = self.columns.iter().position(|c| c == column)?;
+        self.values.get(i)?.as_deref()
+    }
+}
+
+/// What the session reads: a regular message or CopyBothResponse, which
+/// postgres-protocol does not know.
+pub(crate) enum Backend {
+    Message(Message),
+    CopyBoth,
+}
+
+pub struct Connection {
+    pub(crate) io: Box<dyn Io>,
+    pub(crate) rbuf: BytesMut,
+    pub(crate) wbuf: BytesMut,
+    backend_pid: i32,
+    parameters: HashMap<String, String>,
+    options: ConnectOptions,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("target", &self.options.target())
+            .field("backend_pid", &self.backend_pid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Connection {
+    /// Opens a `replication=database` session.
+    pub async fn connect(options: &ConnectOptions) -> Result<Connection, WireError> {
+        let connect_err = |source| WireError::Connect {
+            host: options.host.clone(),
+            port: options.port,
+            source,
+        };
+        let tcp = tokio::time::timeout(
+            options.connect_timeout,
+            TcpStream::connect((options.host.as_str(), options.port)),
+        )
+        .await
+        .map_err(|_| connect_err(std::io::ErrorKind::TimedOut.into()))?
+        .map_err(connect_err)?;
+        tcp.set_nodelay(true).map_err(connect_err)?;
+        let io = tls::negotiate(tcp, options).await?;
+        let mut conn = Connection {
+            io,
+            rbuf: BytesMut::with_capacity(64 * 1024),
+            wbuf: BytesMut::new(),
+            backend_pid: 0,
+            parameters: HashMap::new(),
+            options: options.clone(),
+        };
+        frontend::startup_message(
+            [
+                ("user", options.user.as_str()),
+                ("database", options.dbname.as_str()),
+                ("replication", "database"),
+                ("application_name", options.application_name.as_str()),
+                ("client_encoding", "UTF8"),
+            ],
+            &mut conn.wbuf,
+        )?;
+        conn.flush().await?;
+        conn.authenticate().await?;
+        loop {
+            match conn.read().await? {
+                Backend::Message(Message::ParameterStatus(p)) => {
+                    conn.parameters
+                        .insert(p.name()?.to_owned(), p.value()?.to_owned());
+                }
+                Backend::Message(Message::BackendKeyData(k)) => conn.backend_pid = k.process_id(),
+                Backend::Message(Message::ReadyForQuery(_)) => break,
+                Backend::Message(Message::ErrorResponse(e)) => {
+                    return Err(PgError::parse(&e).into());
+                }
+                Backend::Message(Message::NoticeResponse(_)) => {}
+                _ => {
+                    return Err(WireError::Protocol(
+                        "unexpected message during startup".into(),
+                    ));
+                }
+            }
+        }
+        Ok(conn)
+    }
+
+    async fn authenticate(&mut self) -> Result<(), WireError> {
+        let (given, target) = (self.options.password.clone(), self.options.target());
+        let password = || {
+            given.clone().ok_or_else(|| {
+                WireError::Auth(format!(
+                    "the server at {target} asks for a password and none was given\nhint: add it to the URL or use a password file reference"
+                ))
+            })
+        };
+        match self.read().await? {
+            Backend::Message(Message::AuthenticationOk) => return Ok(()),
+            Backend::Message(Message::AuthenticationCleartextPassword) => {
+                let password = password()?;
+                frontend::password_message(&password, &mut self.wbuf)?;
+                self.flush().await?;
+            }
+            Backend::Message(Message::AuthenticationMd5Password(body)) => {
+                let password = password()?;
+                let hash = postgres_protocol::authentication::md5_hash(
+                    self.options.user.as_bytes(),
+                    &password,
+                    body.salt(),
+                );
+                frontend::password_message(hash.as_bytes(), &mut self.wbuf)?;
+                self.flush().await?;
+            }
+            Backend::Message(Message::AuthenticationSasl(body)) => {
+                let password = password()?;
+                let mut mechanisms = body.mechanisms();
+                let mut scram = false;
+                while let Some(m) = mechanisms.next()? {
+                    scram |= m == sasl::SCRAM_SHA_256;
+                }
+                if !scram {
+                    return Err(WireError::Auth(
+                        "the server offers no SASL mechanism this client supports (SCRAM-SHA-256)"
+                            .into(),
+                    ));
+                }
+                // Plain SCRAM-SHA-256 with "n,,": accepted with or without
+                // TLS. Channel binding (-PLUS) is not implemented.
+                let mut client = ScramSha256::new(&password, ChannelBinding::unsupported());
+                frontend::sasl_initial_response(
+                    sasl::SCRAM_SHA_256,
+                    client.message(),
+                    &mut self.wbuf,
+                )?;
+                self.flush().await?;
+                match self.read().await? {
+                    Backend::Message(Message::AuthenticationSaslContinue(b)) => {
+                        client
+                            .update(b.data())
+                            .map_err(|e| WireError::Auth(e.to_string()))?;
+                    }
+                    Backend::Message(Message::ErrorResponse(e)) => {
+                        return Err(PgError::parse(&e).into());
+                    }
+                    _ => return Err(WireError::Protocol("expected SASL continue".into())),
+                }
+                frontend::sasl_response(client.message(), &mut self.wbuf)?;
+                self.flush().await?;
+                match self.read().await? {
+                    Backend::Message(Message::AuthenticationSaslFinal(b)) => {
+                        // Proves the server knew the password too.
+                        client
+                            .finish(b.data())
+                            .map_err(|e| WireError::Auth(format!("server signature: {e}")))?;
+                    }
+                    Backend::Message(Message::ErrorResponse(e)) => {
+                        return Err(PgError::parse(&e).into());
+                    }
+                    _ => return Err(WireError::Protocol("expected SASL final".into())),
+                }
+            }
+            Backend::Message(Message::ErrorResponse(e)) => return Err(PgError::parse(&e).into()),
+            _ => {
+                return Err(WireError::Auth(
+                    "the server asked for an authentication method this client does not support (GSS, SSPI, Kerberos)".into(),
+                ));
+            }
+        }
+        match self.read().await? {
+            Backend::Message(Message::AuthenticationOk) => Ok(()),
+            Backend::Message(Message::ErrorResponse(e)) => Err(PgError::parse(&e).into()),
+            _ => Err(WireError::Protocol("expected AuthenticationOk".into())),
+        }
+    }
+
+    /// The walsender's process id (to tell our own slot holder from another).
+    pub fn backend_pid(&self) -> i32 {
+        self.backend_pid
+    }
+
+    /// `server_version_num` of the server, e.g. 170009.
+    pub fn server_version_num(&self) -> u32 {
+        self.parameters
+            .get("server_version")
+            .and_then(|v| parse_server_version(v))
+            .unwrap_or(0)
+    }
+
+    pub fn options(&self) -> &ConnectOptions {
+        &self.options
+    }
+
+    /// Runs one simple query (a replication command or SQL) and returns its
+    /// rows. A server error leaves the session usable.
+    pub async fn simple_query(&mut self, sql: &str) -> Result<Vec<Row>, WireError> {
+        frontend::query(sql, &mut self.wbuf)?;
+        self.flush().await?;
+        let mut rows = Vec::new();
+        let mut columns = Arc::new(Vec::new());
+        let mut error = None;
+        loop {
+            match self.read().await? {
+                Backend::Message(Message::RowDescription(d)) => {
+                    let names: Vec<String> =
+                        d.fields().map(|f| Ok(f.name().to_owned())).collect()?;
+                    columns = Arc::new(names);
+                }
+                Backend::Message(Message::DataRow(row)) => {
+                    let buf = row.buffer();
+                    let values: Vec<Option<String>> = row
+                        .ranges()
+                        .map(|r| {
+                            Ok(r.and_then(|r| buf.get(r))
+                                .map(|b| String::from_utf8_lossy(b).into_owned()))
+                        })
+                        .collect()?;
+                    rows.push(Row {
+                        columns: Arc::clone(&columns),
+                        values,
+                    });
+                }
+                Backend::Message(Message::ErrorResponse(e)) => error = Some(PgError::parse(&e)),
+                Backend::Message(Message::ReadyForQuery(_)) => break,
+                Backend::Message(_) => {}
+                Backend::CopyBoth => {
+                    return Err(WireError::Protocol(
+                        "simple_query started a COPY stream; use start_replication".into(),
+                    ));
+                }
+            }
+        }
+        match error {
+            Some(e) => Err(e.into()),
+            None => Ok(rows),
+        }
+    }
+
+    pub(crate) async fn flush(&mut self) -> Result<(), WireError> {
+        self.io.write_all(&self.wbuf).await?;
+        self.io.flush().await?;
+        self.wbuf.clear();
+        Ok(())
+    }
+
+    /// Parses one whole message from the buffer, if there is one.
+    pub(crate) fn parse(&mut self) -> Result<Option<Backend>, WireError> {
+        let Some(header) = Header::parse(&self.rbuf)? else {
+            return Ok(None);
+        };
+        let len = header.len() as usize + 1;
+        if len > MAX_MESSAGE_LEN {
+            return Err(WireError::Protocol(format!(
+                "message of {len} bytes exceeds the {MAX_MESSAGE_LEN}-byte limit"
+            )));
+        }
+        if self.rbuf.len() < len {
+            self.rbuf.reserve(len - self.rbuf.len());
+            return Ok(None);
+        }
+        match header.tag() {
+            b'W' => {
+                self.rbuf.advance(len);
+                Ok(Some(Backend::CopyBoth))
+            }
+            b'v' => Err(WireError::Protocol(
+                "server requested protocol negotiation (NegotiateProtocolVersion)".into(),
+            )),
+            _ => Ok(Message::parse(&mut self.rbuf)?.map(Backend::Message)),
+        }
+    }
+
+    /// Reads until one whole message is buffered. Cancel-safe.
+    pub(crate) async fn read(&mut self) -> Result<Backend, WireError> {
+        loop {
+            if let Some(message) = self.parse()? {
+                return Ok(message);
+            }
+            if self.io.read_buf(&mut self.rbuf).await? == 0 {
+                return Err(WireError::Closed);
+            }
+        }
+    }
+}
+
+/// "17.9 (Debian ...)" or "18devel" -> 170009 / 180000.
+fn parse_server_version(v: &str) -> Option<u32> {
+    let numeric: String = v
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    let mut parts = numeric.split('.').filter(|p| !p.is_empty());
+    let major: u32 = parts.next()?.parse().ok()?;
+    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    Some(major * 10_000 + minor)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn server_versions() {
+        assert_eq!(super::parse_server_version("17.9"), Some(170009));
+        assert_eq!(
+            super::parse_server_version("15.20 (Debian 15.20-0+deb12u1)"),
+            Some(150020)
+        );
+        assert_eq!(super::parse_server_version("18devel"), Some(180000));
+        assert_eq!(super::parse_server_version("x"), None);
+    }
+}

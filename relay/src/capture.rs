@@ -1,0 +1,372 @@
+//! The external capture stage: pgoutput v2 from a logical slot, assembled
+//! into envelopes, appended to the durable log, and only then acknowledged
+//! to the source.
+//!
+//! ```text
+//!  slot ──START_REPLICATION──▶ decode ─▶ assemble ─▶ log.append (fsync)
+//!    ▲                                                     │
+//!    └──── standby status: flush = last durable end LSN ◀──┘
+//! ```
+//!
+//! Invariants:
+//! * **Publish, then acknowledge.** The position reported to the server is
+//!   only ever the end LSN of an envelope whose append returned (fsync done),
+//!   or - when nothing is open - a keepalive position recorded durably first.
+//!   A crash between the two costs a duplicate, never a gap.
+//! * **Resume from the log.** On (re)connect, streaming restarts at the log's
+//!   last durable position; transactions at or below it are skipped and
+//!   counted as duplicates.
+//! * **No silent gap.** A slot whose confirmed position is past what the log
+//!   holds, that was invalidated, or that another process holds, stops
+//!   capture with an error naming it and the recovery.
+
+use crate::log::{CursorPosition, Log, LogConfig, storage::FsStorage};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+use trellara_common::Lsn;
+use trellara_common::envelope::{self, Envelope, SourceIdentity};
+use trellara_external_relay::pgoutput::{self, DecodeContext, Message, ProtoVersion};
+use trellara_external_relay::pgwire::{ConnectOptions, Connection, ReplicationEvent, WireError};
+use trellara_external_relay::{AssembleOrSink, Assembler, AssemblerConfig, AssemblyError};
+
+/// The consumer name under which the log records how far the source was
+/// acknowledged past the last envelope (idle keepalive advances).
+const SOURCE_ACK: &str = "source-ack";
+
+#[derive(Debug, Clone)]
+pub struct CaptureConfig {
+    pub source: ConnectOptions,
+    pub slot: String,
+    pub publications: Vec<String>,
+    pub create_slot: bool,
+    pub source_id: String,
+    pub dataset_id: String,
+    pub log_dir: PathBuf,
+    pub proto_version: ProtoVersion,
+    pub memory_budget: usize,
+    pub chunk_bytes: usize,
+    pub status_interval: Duration,
+    pub max_backoff: Duration,
+    pub pinned: HashMap<String, u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    #[error(transparent)]
+    Assembly(#[from] AssemblyError),
+    #[error(transparent)]
+    Log(#[from] crate::log::Error),
+    #[error("pgoutput: {0}")]
+    Decode(#[from] pgoutput::DecodeError),
+    #[error(
+        "the log's last record at offset {offset} is not a valid envelope: {source}\nhint: inspect it with `trellara log inspect --dir {dir} --verify`"
+    )]
+    BadTail {
+        offset: u64,
+        dir: String,
+        #[source]
+        source: envelope::EnvelopeError,
+    },
+    #[error(
+        "replication slot {slot:?} does not exist on {target}\nhint: rerun with --create-slot, or create it: SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')"
+    )]
+    NoSlot { slot: String, target: String },
+    #[error(
+        "replication slot {slot:?} uses plugin {plugin:?}, not pgoutput\nhint: the external relay decodes pgoutput; use a pgoutput slot (or capture: native for trellara slots)"
+    )]
+    WrongPlugin { slot: String, plugin: String },
+    #[error(
+        "replication slot {slot:?} was invalidated ({reason}); the WAL it needed is gone\nhint: reseed the flow: `trellara reseed --config trellara.yml`"
+    )]
+    Invalidated { slot: String, reason: String },
+    #[error(
+        "replication slot {slot:?} is held by another process (pid {pid})\nhint: stop the other consumer; one slot feeds one relay"
+    )]
+    HeldElsewhere { slot: String, pid: i32 },
+    #[error(
+        "replication slot {slot:?} is confirmed up to {confirmed}, past what the log holds ({durable}): the transactions in between are not in the log\nhint: another consumer advanced the slot or the log was replaced; reseed the flow: `trellara reseed --config trellara.yml`"
+    )]
+    SlotAhead {
+        slot: String,
+        confirmed: Lsn,
+        durable: Lsn,
+    },
+    #[error("{0}")]
+    Config(String),
+}
+
+impl CaptureError {
+    fn is_transient(&self) -> bool {
+        match self {
+            CaptureError::Wire(e) => e.is_transient(),
+            _ => false,
+        }
+    }
+}
+
+/// What was captured, for reporting and tests.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CaptureStats {
+    pub envelopes: u64,
+    pub duplicates_skipped: u64,
+    pub reconnects: u64,
+}
+
+/// Durable resume state read from the log.
+#[derive(Debug, Clone, Copy)]
+struct Resume {
+    /// Highest commit LSN in the log: transactions at or below it are
+    /// duplicates.
+    commit_lsn: Lsn,
+    /// Where the source may resume: the last envelope's end LSN, or a
+    /// recorded idle advance past it.
+    ack_lsn: Lsn,
+}
+
+fn read_resume(log: &Log<FsStorage>) -> Result<Resume, CaptureError> {
+    let mut resume = Resume {
+        commit_lsn: Lsn::ZERO,
+        ack_lsn: Lsn::ZERO,
+    };
+    if let Some(last) = log.last_durable() {
+        let record = log
+            .read_from(last.offset)?
+            .next()
+            .transpose()?
+            .ok_or_else(|| CaptureError::Config("log tail vanished while reading".into()))?;
+        let env = envelope::decode(&record.payload).map_err(|source| CaptureError::BadTail {
+            offset: last.offset,
+            dir: log.dir().display().to_string(),
+            source,
+        })?;
+        resume.commit_lsn = Lsn(env.commit_lsn);
+        resume.ack_lsn = Lsn(env.end_lsn);
+    }
+    if let Some(ack) = log.cursor(SOURCE_ACK).and_then(|c| c.last_commit_lsn) {
+        resume.ack_lsn = resume.ack_lsn.max(Lsn(ack));
+    }
+    Ok(resume)
+}
+
+/// Runs capture until `shutdown` resolves (then acknowledges what is durable
+/// and ends the stream cleanly) or a definite error. Transient errors
+/// reconnect with capped exponential backoff.
+pub async fn run(
+    config: CaptureConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<CaptureStats, CaptureError> {
+    let (log, report) = Log::open(FsStorage::new(), &config.log_dir, LogConfig::default())?;
+    if let Some(torn) = &report.torn_tail {
+        tracing::warn!(segment = %torn.segment.display(), bytes = torn.truncated_bytes, "cut torn log tail left by a crash");
+    }
+    log.register_consumer(SOURCE_ACK)?;
+    let mut stats = CaptureStats::default();
+    let mut backoff = Duration::from_millis(250);
+    tokio::pin!(shutdown);
+    loop {
+        let session = session(&config, &log, &mut stats);
+        let result = tokio::select! {
+            r = session => r,
+            () = &mut shutdown => return Ok(stats),
+        };
+        match result {
+            Ok(()) => return Ok(stats),
+            Err(err) if err.is_transient() => {
+                tracing::warn!(error = %err, retry_in = ?backoff, "capture connection lost; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = &mut shutdown => return Ok(stats),
+                }
+                backoff = (backoff * 2).min(config.max_backoff);
+                stats.reconnects += 1;
+            }
+            Err(err) => return Err(err),
+        }
+    }
+}
+
+/// One replication session, from connect to error.
+async fn session(
+    config: &CaptureConfig,
+    log: &Log<FsStorage>,
+    stats: &mut CaptureStats,
+) -> Result<(), CaptureError> {
+    let resume = read_resume(log)?;
+    let mut conn = Connection::connect(&config.source).await?;
+    let system = conn.identify_system().await?;
+    let server_version_num = conn.server_version_num();
+    match conn.slot_info(&config.slot).await? {
+        None if config.create_slot => {
+            let created = conn.create_logical_slot(&config.slot, false, false).await?;
+            tracing::info!(slot = %config.slot, consistent_point = %created.consistent_point, "created replication slot");
+        }
+        None => {
+            return Err(CaptureError::NoSlot {
+                slot: config.slot.clone(),
+                target: config.source.target(),
+            });
+        }
+        Some(info) => check_slot(config, &info, resume)?,
+    }
+    if config.proto_version == ProtoVersion::V1 {
+        tracing::info!("proto_version 1: streaming of in-progress transactions is off");
+    }
+    let mut options = vec![
+        ("proto_version", (config.proto_version as u8).to_string()),
+        ("publication_names", config.publications.join(",")),
+        ("messages", "true".to_owned()),
+    ];
+    if config.proto_version == ProtoVersion::V2 {
+        options.push(("streaming", "on".to_owned()));
+    }
+    let mut stream = conn
+        .start_replication(&config.slot, resume.ack_lsn, &options)
+        .await?;
+
+    // Re-read the slot now that we hold it: someone else may have held it,
+    // or it may have been invalidated between the check and the start.
+    let mut probe = Connection::connect(&config.source).await?;
+    if let Some(info) = probe.slot_info(&config.slot).await? {
+        if let Some(pid) = info.active_pid
+            && pid != stream.backend_pid()
+        {
+            return Err(CaptureError::HeldElsewhere {
+                slot: config.slot.clone(),
+                pid,
+            });
+        }
+        check_slot(config, &info, resume)?;
+    }
+    drop(probe);
+
+    let mut assembler = Assembler::new(AssemblerConfig {
+        source: SourceIdentity {
+            source_id: config.source_id.clone(),
+            dataset_id: config.dataset_id.clone(),
+            system_identifier: system.system_id,
+            database: config.source.dbname.clone(),
+            timeline: system.timeline,
+        },
+        server_version_num,
+        decoder: format!("pgoutput/{}", config.proto_version as u8),
+        memory_budget: config.memory_budget,
+        chunk_bytes: config.chunk_bytes,
+        spill_dir: config.log_dir.join("spill-capture"),
+        pinned: config.pinned.clone(),
+    });
+    let mut in_stream_block = false;
+    let mut encoded = Vec::new();
+    tracing::info!(slot = %config.slot, from = %resume.ack_lsn, "streaming");
+    loop {
+        let event = tokio::select! {
+            ev = stream.recv() => match ev? {
+                Some(ev) => Some(ev),
+                None => return Err(WireError::Closed.into()),
+            },
+            () = tokio::time::sleep(config.status_interval) => None,
+        };
+        match event {
+            Some(ReplicationEvent::XLogData { start, data, .. }) => {
+                let ctx = DecodeContext {
+                    version: config.proto_version,
+                    in_stream_block,
+                };
+                let message = pgoutput::decode(&data, ctx)?;
+                match message {
+                    Message::StreamStart(_) => in_stream_block = true,
+                    Message::StreamStop => in_stream_block = false,
+                    _ => {}
+                }
+                let mut emit = |env: Envelope| -> Result<(), crate::log::Error> {
+                    if Lsn(env.commit_lsn) <= resume.commit_lsn {
+                        stats.duplicates_skipped += 1;
+                        return Ok(());
+                    }
+                    encoded.clear();
+                    // The assembler validated it; encode cannot fail.
+                    if envelope::encode_into(&env, &mut encoded).is_ok() {
+                        log.append(env.commit_lsn, &encoded)?;
+                        stats.envelopes += 1;
+                    }
+                    let last_chunk = env
+                        .boundary
+                        .as_ref()
+                        .is_none_or(|b| b.chunk_index + 1 == b.chunk_count);
+                    if last_chunk {
+                        stream.set_durable(Lsn(env.end_lsn));
+                    }
+                    Ok(())
+                };
+                match assembler.handle(message, start.0, &mut emit) {
+                    Ok(()) => {}
+                    Err(AssembleOrSink::Assembly(e)) => return Err(e.into()),
+                    Err(AssembleOrSink::Sink(e)) => return Err(e.into()),
+                }
+            }
+            Some(ReplicationEvent::Keepalive {
+                wal_end,
+                reply_requested,
+            }) => {
+                // Everything up to wal_end was sent and processed; with
+                // nothing open here, no committed transaction lies below it
+                // that is not durable. Record the advance durably first.
+                if !assembler.in_transaction() && wal_end > stream.durable() {
+                    log.commit_cursor(
+                        SOURCE_ACK,
+                        CursorPosition {
+                            next_offset: log.next_offset(),
+                            last_commit_lsn: Some(wal_end.0),
+                        },
+                    )?;
+                    stream.set_durable(wal_end);
+                }
+                if reply_requested {
+                    stream.send_status().await?;
+                }
+            }
+            None => {}
+        }
+        if stream.status_due(config.status_interval) {
+            stream.send_status().await?;
+        }
+    }
+}
+
+fn check_slot(
+    config: &CaptureConfig,
+    info: &trellara_external_relay::pgwire::SlotInfo,
+    resume: Resume,
+) -> Result<(), CaptureError> {
+    if info.plugin.as_deref() != Some("pgoutput") {
+        return Err(CaptureError::WrongPlugin {
+            slot: config.slot.clone(),
+            plugin: info.plugin.clone().unwrap_or_default(),
+        });
+    }
+    if let Some(reason) = &info.invalidation_reason {
+        return Err(CaptureError::Invalidated {
+            slot: config.slot.clone(),
+            reason: reason.clone(),
+        });
+    }
+    if info.wal_status.as_deref() == Some("lost") {
+        return Err(CaptureError::Invalidated {
+            slot: config.slot.clone(),
+            reason: "wal_status lost".into(),
+        });
+    }
+    if let Some(confirmed) = info.confirmed_flush_lsn
+        && resume.ack_lsn.is_valid()
+        && confirmed > resume.ack_lsn
+    {
+        return Err(CaptureError::SlotAhead {
+            slot: config.slot.clone(),
+            confirmed,
+            durable: resume.ack_lsn,
+        });
+    }
+    Ok(())
+}

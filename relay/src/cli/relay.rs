@@ -1,0 +1,94 @@
+//! `trellara relay`: run the external capture stage alone - a pgoutput slot
+//! into a durable log directory - until SIGTERM or Ctrl-C.
+
+use crate::capture::{self, CaptureConfig};
+use anyhow::Context;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+use trellara_external_relay::pgoutput::ProtoVersion;
+
+#[derive(Debug, clap::Args)]
+pub struct RelayArgs {
+    /// Source connection string (postgresql://user[:password]@host:port/db?sslmode=...).
+    /// Prefer TRELLARA_SOURCE_DATABASE_URL to keep the password out of ps.
+    #[arg(long, env = "TRELLARA_SOURCE_DATABASE_URL", hide_env_values = true)]
+    source_database_url: String,
+    /// Logical replication slot (pgoutput).
+    #[arg(long)]
+    slot: String,
+    /// Publication(s) to stream.
+    #[arg(long = "publication", required = true)]
+    publications: Vec<String>,
+    /// Create the slot if it does not exist.
+    #[arg(long)]
+    create_slot: bool,
+    /// Durable log directory.
+    #[arg(long)]
+    log_dir: PathBuf,
+    /// Stable id of the source database, written into every envelope.
+    #[arg(long)]
+    source_id: String,
+    /// Dataset (flow) id; defaults to the source id.
+    #[arg(long)]
+    dataset_id: Option<String>,
+    /// pgoutput protocol: 2 streams large in-progress transactions (with
+    /// bounded memory); 1 waits for commit.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+    proto_version: u8,
+    /// Memory per transaction before it spills to disk, in MiB.
+    #[arg(long, default_value_t = 64)]
+    memory_budget_mib: usize,
+}
+
+pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
+    let source = args
+        .source_database_url
+        .parse()
+        .context("--source-database-url")?;
+    let config = CaptureConfig {
+        source,
+        slot: args.slot,
+        publications: args.publications,
+        create_slot: args.create_slot,
+        dataset_id: args.dataset_id.unwrap_or_else(|| args.source_id.clone()),
+        source_id: args.source_id,
+        log_dir: args.log_dir,
+        proto_version: if args.proto_version == 1 {
+            ProtoVersion::V1
+        } else {
+            ProtoVersion::V2
+        },
+        memory_budget: args.memory_budget_mib << 20,
+        chunk_bytes: 4 << 20,
+        status_interval: Duration::from_secs(1),
+        max_backoff: Duration::from_secs(30),
+        pinned: HashMap::new(),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?;
+    let stats = runtime.block_on(capture::run(config, shutdown_signal()))?;
+    eprintln!(
+        "relay stopped: {} envelopes appended, {} duplicates skipped, {} reconnects",
+        stats.envelopes, stats.duplicates_skipped, stats.reconnects
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
