@@ -222,9 +222,26 @@ async fn session(
     if config.proto_version == ProtoVersion::V2 {
         options.push(("streaming", "on".to_owned()));
     }
-    let mut stream = conn
+    let mut stream = match conn
         .start_replication(&config.slot, resume.ack_lsn, &options)
-        .await?;
+        .await
+    {
+        Ok(stream) => stream,
+        // object_in_use: another walsender streams this slot.
+        Err(WireError::Server(e)) if e.code == "55006" => {
+            let mut probe = Connection::connect(&config.source).await?;
+            let pid = probe
+                .slot_info(&config.slot)
+                .await?
+                .and_then(|i| i.active_pid)
+                .unwrap_or(0);
+            return Err(CaptureError::HeldElsewhere {
+                slot: config.slot.clone(),
+                pid,
+            });
+        }
+        Err(e) => return Err(e.into()),
+    };
 
     // Re-read the slot now that we hold it: someone else may have held it,
     // or it may have been invalidated between the check and the start.

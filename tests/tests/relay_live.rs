@@ -235,3 +235,108 @@ fn live(major: Major) {
     commits.dedup();
     assert_eq!(commits.len(), n, "{major}: no transaction twice in the log");
 }
+
+/// Runs capture to completion (it must fail) and returns the error text.
+fn capture_error(config: CaptureConfig) -> String {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let result = rt.block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            capture::run(config, std::future::pending()),
+        )
+        .await
+    });
+    match result {
+        Ok(Err(e)) => e.to_string(),
+        Ok(Ok(stats)) => panic!("capture ended without an error: {stats:?}"),
+        Err(_) => panic!("capture kept running; expected a definite error"),
+    }
+}
+
+fn current_lsn(cluster: &Cluster) -> Lsn {
+    cluster
+        .psql_value("SELECT pg_current_wal_lsn()")
+        .parse()
+        .expect("lsn")
+}
+
+/// Captures a few transactions, then stops: a slot and a log to break.
+fn prepared(cluster: &Cluster, dir: &Path) {
+    cluster.psql(
+        "CREATE TABLE sales (id bigint PRIMARY KEY, note text);
+         CREATE PUBLICATION p FOR TABLE sales;",
+    );
+    let relay = Running::start(config(cluster, dir));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while confirmed_flush(cluster).is_none() {
+        assert!(Instant::now() < deadline, "relay never created its slot");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    cluster.psql("INSERT INTO sales VALUES (1, 'a')");
+    wait_confirmed(cluster, current_lsn(cluster));
+    relay.stop();
+}
+
+#[test]
+fn a_slot_advanced_past_the_log_is_a_named_gap() {
+    let Some(cluster) = test_cluster(Major::Pg17, &ClusterOptions::new()) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    prepared(&cluster, dir.path());
+    cluster.psql("INSERT INTO sales VALUES (2, 'b')");
+    cluster.psql("SELECT pg_replication_slot_advance('trellara_s', pg_current_wal_lsn())");
+    let err = capture_error(config(&cluster, dir.path()));
+    assert!(
+        err.contains("trellara_s")
+            && err.contains("past what the log holds")
+            && err.contains("reseed"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_slot_held_by_another_consumer_is_named() {
+    let Some(cluster) = test_cluster(Major::Pg16, &ClusterOptions::new()) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    prepared(&cluster, dir.path());
+    let holder = Running::start(config(&cluster, dir.path()));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while cluster.psql_value("SELECT count(*) FROM pg_replication_slots WHERE active") != "1" {
+        assert!(Instant::now() < deadline, "first relay never became active");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let other = tempfile::tempdir().expect("tempdir");
+    let err = capture_error(config(&cluster, other.path()));
+    assert!(err.contains("held by another process"), "{err}");
+    holder.stop();
+}
+
+#[test]
+fn an_invalidated_slot_stops_capture_with_reseed() {
+    let options = ClusterOptions::new().setting("max_slot_wal_keep_size", "1MB");
+    let Some(cluster) = test_cluster(Major::Pg15, &options) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    prepared(&cluster, dir.path());
+    // Push the slot's retained WAL far past max_slot_wal_keep_size.
+    for _ in 0..4 {
+        cluster.psql("CREATE TABLE IF NOT EXISTS filler (v text); INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 20000)");
+        cluster.psql("SELECT pg_switch_wal()");
+    }
+    cluster.psql("CHECKPOINT");
+    let status = cluster
+        .psql_value("SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'trellara_s'");
+    assert_eq!(status, "lost", "the slot should be invalidated by now");
+    let err = capture_error(config(&cluster, dir.path()));
+    assert!(
+        err.contains("invalidated") && err.contains("reseed"),
+        "{err}"
+    );
+}
