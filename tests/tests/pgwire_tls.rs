@@ -263,3 +263,61 @@ fn tls_and_scram_on_a_real_server() {
     let stats = handle.join().expect("thread").expect("capture ok");
     assert_eq!(stats.envelopes, 1);
 }
+
+#[test]
+fn slots_with_exported_snapshot_and_failover() {
+    for major in [Major::Pg16, Major::Pg17] {
+        let Some(cluster) = test_cluster(major, &ClusterOptions::new()) else {
+            continue;
+        };
+        let o: ConnectOptions = cluster.connection_string("postgres").parse().expect("url");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let mut conn = rt.block_on(Connection::connect(&o)).expect("connect");
+        let system = rt.block_on(conn.identify_system()).expect("identify");
+        assert!(system.system_id > 0 && system.timeline >= 1);
+        let created = rt
+            .block_on(conn.create_logical_slot("exported", true, false))
+            .expect("create");
+        let snapshot = created.snapshot_name.expect("exported snapshot name");
+        assert!(created.consistent_point.is_valid());
+        // The snapshot is importable while the creating session stays idle.
+        let mut reader =
+            postgres::Client::connect(&cluster.connection_string("postgres"), postgres::NoTls)
+                .expect("reader");
+        let mut tx = reader
+            .build_transaction()
+            .isolation_level(postgres::IsolationLevel::RepeatableRead)
+            .start()
+            .expect("begin");
+        tx.batch_execute(&format!("SET TRANSACTION SNAPSHOT '{snapshot}'"))
+            .expect("import the exported snapshot");
+        tx.commit().expect("commit");
+
+        let failover = rt.block_on(conn.create_logical_slot("failover_s", false, true));
+        if major >= Major::Pg17 {
+            failover.expect("FAILOVER slot on 17+");
+            let info = rt
+                .block_on(conn.slot_info("failover_s"))
+                .expect("info")
+                .expect("exists");
+            assert_eq!(info.plugin.as_deref(), Some("pgoutput"));
+            assert_eq!(
+                cluster.psql_value(
+                    "SELECT failover::text FROM pg_replication_slots WHERE slot_name = 'failover_s'"
+                ),
+                "true"
+            );
+        } else {
+            let err = failover.expect_err("no failover slots before 17");
+            assert!(err.to_string().contains("PostgreSQL 17"), "{err}");
+        }
+        assert!(
+            rt.block_on(conn.slot_info("missing"))
+                .expect("query")
+                .is_none()
+        );
+    }
+}

@@ -340,3 +340,36 @@ fn an_invalidated_slot_stops_capture_with_reseed() {
         "{err}"
     );
 }
+
+#[test]
+fn schema_drift_mid_stream_stops_capture_naming_the_relation() {
+    let Some(cluster) = test_cluster(Major::Pg18, &ClusterOptions::new()) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    prepared(&cluster, dir.path());
+    let mut cfg = config(&cluster, dir.path());
+    cfg.create_slot = false;
+    // The fingerprint pinned when capture started, as a flow config will.
+    let relay = Running::start(config(&cluster, dir.path()));
+    cluster.psql("INSERT INTO sales VALUES (2, 'b')");
+    wait_confirmed(&cluster, current_lsn(&cluster));
+    relay.stop();
+    let pinned = envelopes(dir.path())
+        .last()
+        .and_then(|e| e.relations.first().map(|r| r.fingerprint))
+        .expect("a relation");
+    cfg.pinned.insert("public.sales".into(), pinned);
+    cluster.psql("ALTER TABLE sales ADD COLUMN region text");
+    cluster.psql("INSERT INTO sales VALUES (3, 'c', 'eu')");
+    let err = capture_error(cfg);
+    assert!(
+        err.contains("schema drift on public.sales") && err.contains(&format!("{pinned:#018x}")),
+        "{err}"
+    );
+    let ids: Vec<String> = envelopes(dir.path())
+        .iter()
+        .flat_map(inserted_ids)
+        .collect();
+    assert_eq!(ids, ["1", "2"], "no row under the new schema was assembled");
+}
