@@ -32,6 +32,9 @@ pub struct ConnectOptions {
     pub ssl_mode: SslMode,
     pub ssl_root_cert: Option<PathBuf>,
     pub connect_timeout: Duration,
+    /// Open a `replication=database` session (replication commands and SQL)
+    /// rather than a plain one. Plain sessions need no REPLICATION privilege.
+    pub replication: bool,
 }
 
 impl std::fmt::Debug for ConnectOptions {
@@ -103,6 +106,7 @@ impl FromStr for ConnectOptions {
                 .get_connect_timeout()
                 .copied()
                 .unwrap_or(Duration::from_secs(10)),
+            replication: true,
         })
     }
 }

@@ -1,4 +1,4 @@
-//! One `replication=database` session: startup, authentication (SCRAM-SHA-256,
+//! One session (`replication=database` unless asked otherwise): startup, authentication (SCRAM-SHA-256,
 //! md5, password), and simple queries. The walsender accepts only the simple
 //! query protocol, for replication commands and plain SQL alike.
 
@@ -120,16 +120,16 @@ impl Connection {
             parameters: HashMap::new(),
             options: options.clone(),
         };
-        frontend::startup_message(
-            [
-                ("user", options.user.as_str()),
-                ("database", options.dbname.as_str()),
-                ("replication", "database"),
-                ("application_name", options.application_name.as_str()),
-                ("client_encoding", "UTF8"),
-            ],
-            &mut conn.wbuf,
-        )?;
+        let mut parameters = vec![
+            ("user", options.user.as_str()),
+            ("database", options.dbname.as_str()),
+            ("application_name", options.application_name.as_str()),
+            ("client_encoding", "UTF8"),
+        ];
+        if options.replication {
+            parameters.push(("replication", "database"));
+        }
+        frontend::startup_message(parameters, &mut conn.wbuf)?;
         conn.flush().await?;
         conn.authenticate().await?;
         loop {
