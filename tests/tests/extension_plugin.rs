@@ -46,6 +46,26 @@ fn extension_plugin_pg18() {
     live(Major::Pg18);
 }
 
+#[test]
+fn extension_walsender_pg15() {
+    walsender(Major::Pg15);
+}
+
+#[test]
+fn extension_walsender_pg16() {
+    walsender(Major::Pg16);
+}
+
+#[test]
+fn extension_walsender_pg17() {
+    walsender(Major::Pg17);
+}
+
+#[test]
+fn extension_walsender_pg18() {
+    walsender(Major::Pg18);
+}
+
 /// Whether `trellara.so` is installed into this major; fails under CI.
 fn extension_installed(major: Major) -> bool {
     let Ok(install) = major.locate() else {
@@ -701,4 +721,75 @@ fn live(major: Major) {
         err.contains("DELETE from public.nokey carries no old key"),
         "{major}: {err}"
     );
+}
+
+/// The same plugin under a walsender (`pg_recvlogical`, START_REPLICATION
+/// ... LOGICAL): the frames it writes (each followed by a newline) reassemble
+/// into the same envelopes.
+fn walsender(major: Major) {
+    if !extension_installed(major) {
+        return;
+    }
+    let Some(cluster) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    cluster.psql("CREATE TABLE t (id int PRIMARY KEY, v text)");
+    cluster.psql("SELECT pg_create_logical_replication_slot('w', 'trellara')");
+    cluster.psql("INSERT INTO t SELECT g, repeat('v', 50) FROM generate_series(1, 3000) g");
+    cluster.psql("INSERT INTO t VALUES (0, 'last')");
+    let end = cluster.psql_value("SELECT pg_current_wal_lsn()");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("frames.bin");
+    let status = Command::new(cluster.install().bin("pg_recvlogical"))
+        .arg("-d")
+        .arg(cluster.connection_config("postgres"))
+        .args([
+            "--slot",
+            "w",
+            "--start",
+            "--no-loop",
+            "--endpos",
+            &end,
+            "-f",
+        ])
+        .arg(&out)
+        .args(["-o", "source_id=src", "-o", "chunk_bytes=65536"])
+        .status()
+        .expect("pg_recvlogical runs");
+    assert!(
+        status.success(),
+        "{major}: pg_recvlogical: {status}\n{}",
+        cluster.log_contents()
+    );
+    let bytes = std::fs::read(&out).unwrap();
+    let mut rest = &bytes[..];
+    let mut reassembler = Reassembler::new(1 << 24);
+    let mut envelopes = Vec::new();
+    while !rest.is_empty() {
+        let len = 40 + u32::from_le_bytes(rest[24..28].try_into().unwrap()) as usize;
+        let (frame, tail) = rest.split_at(len);
+        assert_eq!(
+            tail.first(),
+            Some(&b'\n'),
+            "{major}: pg_recvlogical ends each message with a newline"
+        );
+        if let Some(envelope) = reassembler
+            .push(frame)
+            .expect("walsender frames reassemble")
+        {
+            envelopes.push(envelope::decode(&envelope).expect("envelope decodes"));
+        }
+        rest = &tail[1..];
+    }
+    reassembler.finish().unwrap();
+    let first: Vec<&Envelope> = envelopes
+        .iter()
+        .filter(|e| e.xid == envelopes[0].xid)
+        .collect();
+    assert!(first.len() >= 2, "{major}: 3000 rows in 64 KiB chunks");
+    let rows: usize = first.iter().map(|e| e.changes.len()).sum();
+    assert_eq!(rows, 3000);
+    let last = envelopes.last().unwrap();
+    assert_ne!(last.xid, envelopes[0].xid);
+    assert_eq!(rows_of(last)[0].after, [text("0"), text("last")]);
 }
