@@ -373,3 +373,42 @@ fn schema_drift_mid_stream_stops_capture_naming_the_relation() {
         .collect();
     assert_eq!(ids, ["1", "2"], "no row under the new schema was assembled");
 }
+
+#[test]
+fn streamed_subtransaction_rollback_is_discarded_on_every_major() {
+    for major in Major::ALL {
+        let options = ClusterOptions::new().setting("logical_decoding_work_mem", "64kB");
+        let Some(cluster) = test_cluster(major, &options) else {
+            continue;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        prepared(&cluster, dir.path());
+        let relay = Running::start(config(&cluster, dir.path()));
+        // Each part is far past logical_decoding_work_mem, so the rolled-back
+        // subtransaction is streamed before its abort arrives.
+        cluster.psql(
+            "BEGIN;
+             INSERT INTO sales SELECT g, repeat('k', 100) FROM generate_series(100, 2099) g;
+             SAVEPOINT s1;
+             INSERT INTO sales SELECT g, repeat('r', 100) FROM generate_series(5000, 6999) g;
+             ROLLBACK TO SAVEPOINT s1;
+             INSERT INTO sales SELECT g, repeat('k', 100) FROM generate_series(9000, 9999) g;
+             COMMIT;",
+        );
+        wait_confirmed(&cluster, current_lsn(&cluster));
+        relay.stop();
+        let all = envelopes(dir.path());
+        let last_commit = all.last().map(|e| e.commit_lsn).expect("envelopes");
+        let ids: Vec<i64> = all
+            .iter()
+            .filter(|e| e.commit_lsn == last_commit)
+            .flat_map(inserted_ids)
+            .map(|s| s.parse().expect("id"))
+            .collect();
+        let want: Vec<i64> = (100..2100).chain(9000..10000).collect();
+        assert_eq!(
+            ids, want,
+            "{major}: the rolled-back subtransaction is gone, the rest is whole"
+        );
+    }
+}
