@@ -61,6 +61,11 @@ impl PluginError {
         self
     }
 
+    #[cfg(test)]
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
     /// Raises this error as a PostgreSQL `ERROR`; does not return. Call only
     /// from a `#[pg_guard]` function.
     pub fn raise(self) -> ! {

@@ -141,3 +141,59 @@ pub fn parse(pairs: &[(String, Option<String>)]) -> Result<Options, PluginError>
     }
     Ok(options)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(list: &[(&str, Option<&str>)]) -> Vec<(String, Option<String>)> {
+        list.iter()
+            .map(|(n, v)| (n.to_string(), v.map(str::to_owned)))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_and_values() {
+        let o = parse(&pairs(&[])).unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(o, Options::default());
+        let o = parse(&pairs(&[
+            ("source_id", Some("src")),
+            ("max_frame_bytes", Some("41")),
+            ("chunk_bytes", Some("4096")),
+            ("origin", Some("none")),
+        ]))
+        .unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(o.source_id.as_deref(), Some("src"));
+        assert_eq!((o.max_frame_bytes, o.chunk_bytes), (41, 4096));
+        assert_eq!(o.origin, OriginFilter::None);
+    }
+
+    #[test]
+    fn refusals_name_the_option() {
+        for (list, needle) in [
+            (vec![("bogus", Some("1"))], "unknown option \"bogus\""),
+            (
+                vec![("max_frame_bytes", Some("65537"))],
+                "\"max_frame_bytes\"",
+            ),
+            (vec![("max_frame_bytes", Some("40"))], "\"max_frame_bytes\""),
+            (vec![("chunk_bytes", Some("x"))], "\"chunk_bytes\""),
+            (vec![("origin", Some("some"))], "\"origin\""),
+            (vec![("source_id", None)], "\"source_id\""),
+            (
+                vec![("protocol_version", Some("2"))],
+                "\"protocol_version\"",
+            ),
+            (
+                vec![("source_id", Some("a")), ("source_id", Some("b"))],
+                "more than once",
+            ),
+        ] {
+            let err = parse(&pairs(&list)).err().map(|e| e.message().to_owned());
+            assert!(
+                err.as_deref().is_some_and(|e| e.contains(needle)),
+                "{list:?}: {err:?}"
+            );
+        }
+    }
+}

@@ -282,3 +282,120 @@ pub fn plan_chunks(
     }
     Ok(plans)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn log(budget: usize, records: &[(u32, usize)]) -> (ChangeLog, tempfile_dir::Dir) {
+        let dir = tempfile_dir::Dir::new();
+        let mut log = ChangeLog::new(budget, dir.path.clone());
+        for (i, (version, len)) in records.iter().enumerate() {
+            let bytes = vec![i as u8; *len];
+            log.push(*version, &bytes).unwrap_or_else(|e| panic!("{e}"));
+        }
+        (log, dir)
+    }
+
+    /// A scratch directory without extra dependencies.
+    mod tempfile_dir {
+        use std::path::PathBuf;
+        pub struct Dir {
+            pub path: PathBuf,
+        }
+        impl Dir {
+            pub fn new() -> Self {
+                use std::sync::atomic::{AtomicU32, Ordering};
+                static N: AtomicU32 = AtomicU32::new(0);
+                let path = std::env::temp_dir().join(format!(
+                    "trellara-spill-test-{}-{}",
+                    std::process::id(),
+                    N.fetch_add(1, Ordering::Relaxed)
+                ));
+                Dir { path }
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.path);
+            }
+        }
+    }
+
+    fn read_all(log: &mut ChangeLog) -> Vec<(u32, Vec<u8>)> {
+        let mut reader = log.reader().unwrap_or_else(|e| panic!("{e}"));
+        let mut out = Vec::new();
+        let mut payload = Vec::new();
+        while let Some(v) = reader
+            .next_into(&mut payload)
+            .unwrap_or_else(|e| panic!("{e}"))
+        {
+            out.push((v, payload.clone()));
+        }
+        out
+    }
+
+    #[test]
+    fn memory_and_spilled_logs_read_back_identically() {
+        let records: Vec<(u32, usize)> = (0..200u32)
+            .map(|i| (i % 3, (i as usize * 7) % 300))
+            .collect();
+        let (mut memory, _d1) = log(usize::MAX, &records);
+        let (mut spilled, d2) = log(1000, &records);
+        assert!(!memory.spilled());
+        assert!(spilled.spilled());
+        let a = read_all(&mut memory);
+        assert_eq!(a.len(), 200);
+        assert_eq!(a, read_all(&mut spilled));
+        // Twice: each reader starts over.
+        assert_eq!(a, read_all(&mut spilled));
+        // The spill file is unlinked: the directory is empty.
+        let left = std::fs::read_dir(&d2.path).map(|d| d.count()).unwrap_or(0);
+        assert_eq!(left, 0);
+    }
+
+    fn plan(
+        records: &[(u32, usize)],
+        base: usize,
+        chunk: usize,
+        versions: &[(u32, usize)],
+    ) -> Vec<(u64, u64)> {
+        let (mut log, _d) = log(64, records);
+        let mut reader = log.reader().unwrap_or_else(|e| panic!("{e}"));
+        plan_chunks(&mut reader, base, chunk, versions)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .iter()
+            .map(|p| (p.first_sequence, p.count))
+            .collect()
+    }
+
+    #[test]
+    fn chunks_respect_the_size_target() {
+        // base 100 + relation (1+1+20) + n changes of (1+1+50).
+        let versions = [(7u32, 20usize)];
+        let records = vec![(0u32, 50usize); 10];
+        assert_eq!(plan(&records, 100, 10_000, &versions), [(0, 10)]);
+        // 100 + 22 + 3 * 52 = 278 <= 300 < 330.
+        assert_eq!(
+            plan(&records, 100, 300, &versions),
+            [(0, 3), (3, 3), (6, 3), (9, 1)]
+        );
+        // A change bigger than the target still gets its own envelope.
+        assert_eq!(
+            plan(&[(0, 50), (0, 5000), (0, 50)], 100, 300, &versions),
+            [(0, 1), (1, 1), (2, 1)]
+        );
+        // Messages need no relation.
+        assert_eq!(
+            plan(&[(NO_RELATION, 50); 4], 100, 10_000, &versions),
+            [(0, 4)]
+        );
+    }
+
+    #[test]
+    fn two_versions_of_a_relation_never_share_a_chunk() {
+        let versions = [(7u32, 20usize), (8, 20), (7, 24)];
+        let records = [(0u32, 10usize), (1, 10), (0, 10), (2, 10), (1, 10), (2, 10)];
+        assert_eq!(plan(&records, 100, 10_000, &versions), [(0, 3), (3, 3)]);
+    }
+}
