@@ -194,6 +194,7 @@ unsafe fn option_pairs(
         let value = if unsafe { (*elem).arg }.is_null() {
             None
         } else {
+            // SAFETY: elem is a DefElem with a non-NULL arg (see above).
             Some(unsafe { owned_str(pg_sys::defGetString(elem), "option value") }?)
         };
         pairs.push((name, value));
@@ -213,6 +214,8 @@ unsafe extern "C-unwind" fn tr_startup(
     }
 }
 
+/// # Safety
+/// `ctx` and `opts` are the pointers PostgreSQL passed to the startup callback.
 unsafe fn startup(
     ctx: *mut pg_sys::LogicalDecodingContext,
     opts: *mut pg_sys::OutputPluginOptions,
@@ -316,6 +319,8 @@ unsafe extern "C-unwind" fn tr_shutdown(ctx: *mut pg_sys::LogicalDecodingContext
 
 /// Source facts, looked up on first use (needs a transaction: called from
 /// begin, which runs inside the decoding transaction).
+/// # Safety
+/// Must run inside the decoding transaction (catalog access).
 unsafe fn source(state: &mut State) -> Result<Source, PluginError> {
     if let Some(source) = &state.source {
         return Ok(source.clone());
@@ -363,6 +368,9 @@ unsafe extern "C-unwind" fn tr_begin(
 /// Runs `f` with CurrentMemoryContext switched to the per-change context,
 /// then resets it. On an ERROR the switch is undone by the guard and the
 /// context is reset by the next change (or deleted with its parent).
+///
+/// # Safety
+/// `change_cx` is the live per-change context of this decoding context.
 unsafe fn in_change_context<T>(
     change_cx: pg_sys::MemoryContext,
     f: impl FnOnce() -> Result<T, PluginError>,
@@ -385,6 +393,10 @@ unsafe fn in_change_context<T>(
     f()
 }
 
+/// The heap tuple of a change's old or new tuple field (NULL stays NULL).
+///
+/// # Safety
+/// `buf` is NULL or a tuple buffer owned by the reorder buffer.
 #[cfg(any(feature = "pg15", feature = "pg16"))]
 unsafe fn heap_tuple(buf: *mut pg_sys::ReorderBufferTupleBuf) -> pg_sys::HeapTuple {
     if buf.is_null() {
@@ -395,6 +407,10 @@ unsafe fn heap_tuple(buf: *mut pg_sys::ReorderBufferTupleBuf) -> pg_sys::HeapTup
     }
 }
 
+/// The heap tuple of a change's old or new tuple field (NULL stays NULL).
+///
+/// # Safety
+/// Trivially safe on 17/18; `unsafe` to match the 15/16 signature.
 #[cfg(any(feature = "pg17", feature = "pg18"))]
 unsafe fn heap_tuple(tuple: pg_sys::HeapTuple) -> pg_sys::HeapTuple {
     tuple
@@ -404,6 +420,9 @@ fn qualified(info: &RelationInfo) -> String {
     format!("{}.{}", info.schema.namespace, info.schema.name)
 }
 
+/// # Safety
+/// `rel` and `change` are the pointers PostgreSQL passed to the change
+/// callback; runs inside the decoding transaction.
 unsafe fn change(
     state: &mut State,
     rel: pg_sys::Relation,
@@ -547,6 +566,8 @@ unsafe extern "C-unwind" fn tr_truncate(
     }
 }
 
+/// # Safety
+/// The pointers PostgreSQL passed to the truncate callback.
 unsafe fn truncate(
     state: &mut State,
     nrelations: c_int,
@@ -655,6 +676,9 @@ unsafe extern "C-unwind" fn tr_commit(
 }
 
 /// The timeline the transaction's records were read from.
+///
+/// # Safety
+/// `ctx` is a live decoding context.
 unsafe fn timeline(ctx: *mut pg_sys::LogicalDecodingContext) -> u32 {
     // SAFETY: ctx->reader is the decoding context's WAL reader.
     let reader = unsafe { (*ctx).reader };
@@ -677,6 +701,10 @@ unsafe fn timeline(ctx: *mut pg_sys::LogicalDecodingContext) -> u32 {
     }
 }
 
+/// The replication origin's name, empty for local transactions.
+///
+/// # Safety
+/// Must run inside the decoding transaction (catalog access).
 unsafe fn origin_name(origin_id: pg_sys::RepOriginId) -> Result<String, PluginError> {
     if origin_id == pg_sys::InvalidRepOriginId as u16 {
         return Ok(String::new());
@@ -691,6 +719,10 @@ unsafe fn origin_name(origin_id: pg_sys::RepOriginId) -> Result<String, PluginEr
     }
 }
 
+/// Builds and writes the transaction's envelopes as frames.
+///
+/// # Safety
+/// The pointers PostgreSQL passed to the commit callback, which accepts writes.
 unsafe fn commit(
     ctx: *mut pg_sys::LogicalDecodingContext,
     txn: *mut pg_sys::ReorderBufferTXN,
@@ -705,6 +737,7 @@ unsafe fn commit(
     if total == 0 {
         return Ok(());
     }
+    // SAFETY: commit runs inside the decoding transaction.
     let source = unsafe { source(state) }?;
     // SAFETY: txn is valid for the callback.
     let (xid, first_lsn, end_lsn, commit_time, origin_id) = unsafe {

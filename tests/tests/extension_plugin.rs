@@ -347,6 +347,11 @@ fn live(major: Major) {
         err.contains("two_phase") && err.contains("\"s2\""),
         "{major}: {err}"
     );
+    assert_eq!(
+        cluster.psql_value("SELECT count(*) FROM pg_replication_slots WHERE slot_name = 's2'"),
+        "0",
+        "{major}: the refused two_phase slot is not left behind"
+    );
 
     // 1. One of everything in one transaction.
     let big = "x".repeat(10_000);
@@ -715,6 +720,16 @@ fn live(major: Major) {
     assert_eq!(
         rows_of(&altered.envelopes[1])[0].after,
         [text("301"), text("after"), text("a"), text("7")]
+    );
+
+    // Fast-forward (slot advance) does not load the plugin: no options needed.
+    cluster.psql("INSERT INTO docs VALUES (400, 'skipped', 's')");
+    cluster.psql("SELECT pg_replication_slot_advance('s', pg_current_wal_lsn())");
+    assert!(
+        read_slot(&cluster, "pg_logical_slot_get_binary_changes", &[])
+            .envelopes
+            .is_empty(),
+        "{major}: advanced past the insert"
     );
 
     // A DELETE that carries no key fails closed, naming the table.
