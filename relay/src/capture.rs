@@ -49,6 +49,8 @@ pub struct CaptureConfig {
     pub status_interval: Duration,
     pub max_backoff: Duration,
     pub pinned: HashMap<String, u64>,
+    /// Receives the acknowledged (durable) source position as it moves.
+    pub progress: Option<std::sync::Arc<tokio::sync::watch::Sender<Lsn>>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -151,13 +153,14 @@ fn read_resume(log: &Log<FsStorage>) -> Result<Resume, CaptureError> {
     Ok(resume)
 }
 
-/// Runs capture until `shutdown` resolves (then acknowledges what is durable
-/// and ends the stream cleanly) or a definite error. Transient errors
-/// reconnect with capped exponential backoff.
+/// Runs capture until `shutdown` resolves (then reports the durable
+/// position to the server and ends the stream cleanly) or a definite error.
+/// Transient errors reconnect with capped exponential backoff.
 pub async fn run(
     config: CaptureConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<CaptureStats, CaptureError> {
+    use futures_util::FutureExt;
     let (log, report) = Log::open(FsStorage::new(), &config.log_dir, LogConfig::default())?;
     if let Some(torn) = &report.torn_tail {
         tracing::warn!(segment = %torn.segment.display(), bytes = torn.truncated_bytes, "cut torn log tail left by a crash");
@@ -165,13 +168,14 @@ pub async fn run(
     log.register_consumer(SOURCE_ACK)?;
     let mut stats = CaptureStats::default();
     let mut backoff = Duration::from_millis(250);
-    tokio::pin!(shutdown);
+    // Fused: it may be polled again after it fired, and then stays pending.
+    let mut shutdown = std::pin::pin!(shutdown.fuse());
     loop {
-        let session = session(&config, &log, &mut stats);
-        let result = tokio::select! {
-            r = session => r,
-            () = &mut shutdown => return Ok(stats),
-        };
+        let mut stopped = false;
+        let result = session(&config, &log, &mut stats, shutdown.as_mut(), &mut stopped).await;
+        if stopped {
+            return result.map(|()| stats);
+        }
         match result {
             Ok(()) => return Ok(stats),
             Err(err) if err.is_transient() => {
@@ -193,6 +197,10 @@ async fn session(
     config: &CaptureConfig,
     log: &Log<FsStorage>,
     stats: &mut CaptureStats,
+    mut shutdown: std::pin::Pin<
+        &mut futures_util::future::Fuse<impl std::future::Future<Output = ()>>,
+    >,
+    stopped: &mut bool,
 ) -> Result<(), CaptureError> {
     let resume = read_resume(log)?;
     let mut conn = Connection::connect(&config.source).await?;
@@ -284,6 +292,13 @@ async fn session(
                 None => return Err(WireError::Closed.into()),
             },
             () = tokio::time::sleep(config.status_interval) => None,
+            () = &mut shutdown => {
+                // Leave the slot exactly at what is durable.
+                *stopped = true;
+                stream.send_status().await?;
+                stream.finish().await?;
+                return Ok(());
+            }
         };
         match event {
             Some(ReplicationEvent::XLogData { start, data, .. }) => {
@@ -348,6 +363,14 @@ async fn session(
         }
         if stream.status_due(config.status_interval) {
             stream.send_status().await?;
+        }
+        if let Some(progress) = &config.progress {
+            let durable = stream.durable();
+            progress.send_if_modified(|p| {
+                let moved = *p < durable;
+                *p = (*p).max(durable);
+                moved
+            });
         }
     }
 }

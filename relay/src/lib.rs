@@ -2,6 +2,13 @@
 //! ([`log`]) the relay publishes into before acknowledging the source.
 //! Transports, the applier and verification arrive with their issues.
 
+pub mod apply;
 pub mod capture;
 pub mod cli;
+pub mod config;
+pub mod flow;
 pub mod log;
+pub mod preflight;
+pub mod snapshot;
+pub mod state;
+pub mod verify;

@@ -3,6 +3,7 @@
 //!
 //! Exit status: 0 success, 1 error, 2 bad usage (clap).
 
+mod flow;
 mod log;
 mod relay;
 
@@ -36,17 +37,17 @@ pub enum Format {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Write a trellara.yml for a flow.
-    Init(NotBuilt),
+    Init(flow::InitArgs),
     /// Validate a config offline, or grade a source (read-only).
-    Check(NotBuilt),
-    /// Check the live source and target for a configured flow.
-    Preflight(NotBuilt),
+    Check(flow::CheckArgs),
+    /// Check the live source and target for a configured flow (read-only).
+    Preflight(flow::PreflightArgs),
     /// Run a flow: capture, durable log, apply, optionally verify.
-    Run(NotBuilt),
+    Run(flow::RunArgs),
     /// Prove convergence or name the divergence and its recovery command.
-    Verify(NotBuilt),
+    Verify(flow::VerifyArgs),
     /// Flow status, diagnostics and reports.
-    Status(NotBuilt),
+    Status(flow::StatusArgs),
     /// Fleet configuration, reports and scorecards.
     Fleet(NotBuilt),
     /// Lakehouse fan-in plans and epochs.
@@ -91,12 +92,12 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let (name, issue) = match cli.command {
         Command::Log(args) => return log::run(args),
         Command::Relay(args) => return relay::run(args),
-        Command::Init(_) => ("init", "issue 5 (config and the verified flow)"),
-        Command::Check(_) => ("check", "issue 6 (trellara-check, the read-only grader)"),
-        Command::Preflight(_) => ("preflight", "issues 5 and 6"),
-        Command::Run(_) => ("run", "issues 3-5 (capture, apply and the verified flow)"),
-        Command::Verify(_) => ("verify", "issue 5 (the verified flow)"),
-        Command::Status(_) => ("status", "issue 5 (the verified flow)"),
+        Command::Init(args) => return flow::init(args),
+        Command::Check(args) => return flow::check(args),
+        Command::Run(args) => return flow::run(args),
+        Command::Verify(args) => return flow::verify(args),
+        Command::Status(args) => return flow::status(args),
+        Command::Preflight(args) => return flow::preflight(args),
         Command::Fleet(_) => ("fleet", "the fleet fan-in issue"),
         Command::Lake(_) => ("lake", "the fleet fan-in issue"),
         Command::Config(_) => ("config", "issue 5 (config schema v2)"),

@@ -1,0 +1,549 @@
+//! The public loop: `init`, `check --config`, `run`, `verify`, `status`.
+
+use super::Format;
+use crate::config::{
+    self, CapturePath, Config, Environment, Flow, SecretRef, Source, Target, Transport,
+};
+use crate::flow;
+use crate::verify;
+use anyhow::Context;
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Exit status of verify: 0 converged, 1 diverged, 2 could not verify.
+const EXIT_DIVERGED: u8 = 1;
+const EXIT_ERROR: u8 = 2;
+
+#[derive(Debug, clap::Args)]
+pub struct InitArgs {
+    #[arg(long)]
+    source_database_url: String,
+    #[arg(long)]
+    target_database_url: Option<String>,
+    /// Tables to replicate (schema.table); repeat for more.
+    #[arg(long = "table", required = true)]
+    tables: Vec<String>,
+    #[arg(long, value_enum, default_value = "external")]
+    capture: CaptureArg,
+    #[arg(long, default_value = "trellara.yml")]
+    output: PathBuf,
+    /// Flow name.
+    #[arg(long, default_value = "main")]
+    flow: String,
+    /// Evaluation config: inline URLs, local durable log under ./.trellara.
+    /// Without it the config is for production: URLs by environment
+    /// variable reference only.
+    #[arg(long)]
+    evaluate: bool,
+    /// Replace an existing file.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum CaptureArg {
+    External,
+    Native,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CheckArgs {
+    /// Validate this config offline (no database is contacted).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Grade a live source instead (read-only): see `trellara-check`.
+    #[arg(long)]
+    database_url: Option<String>,
+    #[arg(long, value_enum, default_value_t)]
+    format: Format,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    #[arg(long, default_value = "trellara.yml")]
+    config: PathBuf,
+    /// Use the local durable log (the evaluation transport).
+    #[arg(long)]
+    local: bool,
+    /// End with `verify` and its exit status.
+    #[arg(long)]
+    verify: bool,
+    /// Keep capturing and applying until SIGTERM or Ctrl-C.
+    #[arg(long)]
+    follow: bool,
+    /// Only this flow.
+    #[arg(long)]
+    flow: Option<String>,
+    #[arg(long, value_enum, default_value_t)]
+    format: Format,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct VerifyArgs {
+    #[arg(long, default_value = "trellara.yml")]
+    config: PathBuf,
+    /// Only this table (schema.table).
+    #[arg(long)]
+    table: Option<String>,
+    #[arg(long)]
+    flow: Option<String>,
+    #[arg(long, value_enum, default_value_t)]
+    format: Format,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PreflightArgs {
+    #[arg(long, default_value = "trellara.yml")]
+    config: PathBuf,
+    #[arg(long, value_enum, default_value_t)]
+    format: Format,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    #[arg(long, default_value = "trellara.yml")]
+    config: PathBuf,
+    #[arg(long, value_enum, default_value = "report")]
+    view: View,
+    #[arg(long, value_enum, default_value_t)]
+    format: Format,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum View {
+    Report,
+    Diagnostics,
+}
+
+pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
+    if args.output.exists() && !args.force {
+        anyhow::bail!(
+            "{} already exists\nhint: pass --force to replace it, or --output another path",
+            args.output.display()
+        );
+    }
+    let reference = |inline: &str, var: &str| {
+        if args.evaluate {
+            SecretRef {
+                url: Some(inline.to_owned()),
+                ..SecretRef::default()
+            }
+        } else {
+            SecretRef {
+                url_env: Some(var.to_owned()),
+                ..SecretRef::default()
+            }
+        }
+    };
+    let target = args.target_database_url.as_deref().ok_or_else(|| {
+        anyhow::anyhow!("--target-database-url is required\nhint: the verified flow replicates into a Postgres target")
+    })?;
+    let config = Config {
+        schema_version: config::SCHEMA_VERSION,
+        environment: if args.evaluate {
+            Environment::Evaluation
+        } else {
+            Environment::Production
+        },
+        flows: vec![Flow {
+            name: args.flow.clone(),
+            source: Source {
+                url: reference(&args.source_database_url, "TRELLARA_SOURCE_DATABASE_URL"),
+                source_id: None,
+                slot: None,
+                publication: None,
+            },
+            target: Target {
+                url: reference(target, "TRELLARA_TARGET_DATABASE_URL"),
+            },
+            tables: args.tables.clone(),
+            capture: match args.capture {
+                CaptureArg::External => CapturePath::External,
+                CaptureArg::Native => CapturePath::Native,
+            },
+            transport: Transport::default(),
+        }],
+    };
+    let issues = config::validate(&config);
+    if !issues.is_empty() {
+        let list: Vec<String> = issues.iter().map(|i| format!("  {i}")).collect();
+        anyhow::bail!("the config would be invalid:\n{}", list.join("\n"));
+    }
+    let yaml = serde_yaml_ng::to_string(&config).context("serialize config")?;
+    std::fs::write(
+        &args.output,
+        format!("# trellara.yml, schema v2: see docs/CONFIG.md\n{yaml}"),
+    )
+    .with_context(|| format!("write {}", args.output.display()))?;
+    println!(
+        "wrote {} (flow {}, {} table(s))",
+        args.output.display(),
+        args.flow,
+        args.tables.len()
+    );
+    if !args.evaluate {
+        println!(
+            "export TRELLARA_SOURCE_DATABASE_URL and TRELLARA_TARGET_DATABASE_URL before `trellara run`"
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
+    let Some(path) = args.config else {
+        if args.database_url.is_some() {
+            anyhow::bail!(
+                "grading a live source is `trellara-check URL` (the read-only grader); `trellara check --database-url` joins it when the grader lands"
+            );
+        }
+        anyhow::bail!("pass --config trellara.yml to validate a config offline");
+    };
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "read {}\nhint: create one with `trellara init ... --evaluate`",
+            path.display()
+        )
+    })?;
+    let issues = match config::parse(&text) {
+        Ok(config) => config::validate(&config),
+        Err(message) => vec![config::ConfigIssue::new(
+            "(file)".into(),
+            message,
+            "fix the YAML".into(),
+        )],
+    };
+    match args.format {
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &json!({"config": path.display().to_string(), "valid": issues.is_empty(), "issues": issues})
+            )?
+        ),
+        Format::Text => {
+            if issues.is_empty() {
+                println!("{}: valid (schema v2)", path.display());
+            }
+            for i in &issues {
+                println!("{i}");
+            }
+        }
+    }
+    Ok(if issues.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")
+}
+
+fn flows<'a>(config: &'a Config, only: Option<&str>) -> anyhow::Result<Vec<(usize, &'a Flow)>> {
+    let selected: Vec<_> = config
+        .flows
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| only.is_none_or(|o| f.name == o))
+        .collect();
+    if selected.is_empty() {
+        anyhow::bail!("no flow named {:?} in the config", only.unwrap_or(""));
+    }
+    Ok(selected)
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let config = config::load(&args.config)?;
+    let config_path = args.config.display().to_string();
+    let rt = runtime()?;
+    let text = args.format == Format::Text;
+    let mut reports = Vec::new();
+    for (index, f) in flows(&config, args.flow.as_deref())? {
+        let mut progress = |line: &str| {
+            if text {
+                println!("[{}] {line}", f.name);
+            } else {
+                eprintln!("[{}] {line}", f.name);
+            }
+        };
+        loop {
+            let report = rt
+                .block_on(flow::run_once(f, index, &config_path, &mut progress))
+                .with_context(|| format!("flow {}", f.name))?;
+            let idle = report.envelopes_captured == 0;
+            reports.push(report);
+            if !args.follow {
+                break;
+            }
+            if idle && rt.block_on(stop_requested(Duration::from_secs(1))) {
+                break;
+            }
+        }
+    }
+    if args.format == Format::Json && !args.verify {
+        let out: Vec<_> = reports.iter().map(run_json).collect();
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    if args.verify {
+        return verify_flows(&config, &config_path, None, None, args.format, &rt);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+use std::time::Duration;
+
+/// Waits `d`, returning true if SIGTERM or Ctrl-C arrived meanwhile.
+async fn stop_requested(d: Duration) -> bool {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        return false;
+    };
+    tokio::select! {
+        _ = term.recv() => true,
+        _ = tokio::signal::ctrl_c() => true,
+        () = tokio::time::sleep(d) => false,
+    }
+}
+
+fn run_json(r: &flow::RunReport) -> serde_json::Value {
+    json!({
+        "flow": r.flow,
+        "snapshot": r.snapshot.as_ref().map(|s| json!({
+            "consistent_lsn": s.consistent_lsn.to_string(),
+            "tables": s.tables.iter().map(|(t, n)| json!({"table": t, "rows": n})).collect::<Vec<_>>(),
+        })),
+        "envelopes_captured": r.envelopes_captured,
+        "transactions_applied": r.apply.transactions,
+        "rows_applied": r.apply.rows,
+        "duplicates_skipped": r.apply.duplicates_skipped + r.capture_duplicates_skipped,
+        "caught_up_to": r.caught_up_to.map(|l| l.to_string()),
+    })
+}
+
+pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
+    let outcome = (|| {
+        let config = config::load(&args.config)?;
+        let rt = runtime()?;
+        verify_flows(
+            &config,
+            &args.config.display().to_string(),
+            args.flow.as_deref(),
+            args.table.as_deref(),
+            args.format,
+            &rt,
+        )
+    })();
+    match outcome {
+        Ok(code) => Ok(code),
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            Ok(ExitCode::from(EXIT_ERROR))
+        }
+    }
+}
+
+fn verify_flows(
+    config: &Config,
+    config_path: &str,
+    only_flow: Option<&str>,
+    table: Option<&str>,
+    format: Format,
+    rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<ExitCode> {
+    let mut verdicts = Vec::new();
+    for (index, f) in flows(config, only_flow)? {
+        if let Some(t) = table
+            && !f.tables.iter().any(|x| x == t)
+        {
+            continue;
+        }
+        let verdict = rt
+            .block_on(async {
+                let (source_url, target_url) = flow::urls(f, index)?;
+                let source = flow::connect(&source_url, "source").await?;
+                let target = flow::connect(&target_url, "target").await?;
+                crate::state::ensure(&target).await?;
+                anyhow::Ok(verify::verify(f, &source, &target, table, config_path).await?)
+            })
+            .with_context(|| format!("verify flow {}", f.name))?;
+        verdicts.push(verdict);
+    }
+    if verdicts.is_empty() {
+        anyhow::bail!("no flow replicates table {:?}", table.unwrap_or(""));
+    }
+    match format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&verdicts)?),
+        Format::Text => {
+            for v in &verdicts {
+                print!("{}", verify::render_text(v));
+            }
+        }
+    }
+    Ok(if verdicts.iter().all(verify::Verdict::converged) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_DIVERGED)
+    })
+}
+
+pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
+    let config = config::load(&args.config)?;
+    let rt = runtime()?;
+    let mut out = Vec::new();
+    for (index, f) in flows(&config, None)? {
+        let value = rt.block_on(async {
+            let (_, target_url) = flow::urls(f, index)?;
+            let target = flow::connect(&target_url, "target").await?;
+            crate::state::ensure(&target).await?;
+            let q = |sql: &'static str| {
+                let target = &target;
+                let name = f.name.clone();
+                async move { target.query(sql, &[&name]).await }
+            };
+            let checkpoint = q("SELECT commit_lsn::text, end_lsn::text, transactions, duplicates_skipped, updated_at::text FROM trellara.checkpoints WHERE flow = $1").await?;
+            let snapshot = q("SELECT state, consistent_lsn::text, run_id, coalesce(reason, '') FROM trellara.snapshot_runs WHERE flow = $1").await?;
+            let quarantine = q("SELECT commit_lsn::text, xid, reason, recovery, attempts FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn").await?;
+            let last_verify = q("SELECT verdict, verified_at::text FROM trellara.verify_runs WHERE flow = $1 ORDER BY verified_at DESC LIMIT 1").await?;
+            let mut v = json!({
+                "flow": f.name,
+                "checkpoint": checkpoint.first().map(|r| json!({"commit_lsn": r.get::<_, String>(0), "end_lsn": r.get::<_, String>(1), "transactions": r.get::<_, i64>(2), "duplicates_skipped": r.get::<_, i64>(3), "updated_at": r.get::<_, String>(4)})),
+                "snapshot": snapshot.first().map(|r| json!({"state": r.get::<_, String>(0), "consistent_lsn": r.get::<_, Option<String>>(1), "run_id": r.get::<_, i64>(2), "reason": r.get::<_, String>(3)})),
+                "quarantined": quarantine.iter().map(|r| json!({"commit_lsn": r.get::<_, String>(0), "xid": r.get::<_, i64>(1), "reason": r.get::<_, String>(2), "recovery": r.get::<_, String>(3), "attempts": r.get::<_, i32>(4)})).collect::<Vec<_>>(),
+                "last_verify": last_verify.first().map(|r| json!({"verdict": r.get::<_, String>(0), "at": r.get::<_, String>(1)})),
+            });
+            if matches!(args.view, View::Diagnostics)
+                && let Some(dir) = f.log_dir()
+                && dir.exists()
+            {
+                let (log, _) = crate::log::Log::open(crate::log::storage::FsStorage::new(), dir, crate::log::LogConfig::default())?;
+                v["log"] = json!({
+                    "dir": dir.display().to_string(),
+                    "next_offset": log.next_offset(),
+                    "cursors": log.cursors().iter().map(|(n, p)| json!({"consumer": n, "next_offset": p.next_offset})).collect::<Vec<_>>(),
+                    "retention_pressure": log.retention_pressure().iter().map(|p| json!({"consumer": p.consumer, "held_bytes": p.held_bytes})).collect::<Vec<_>>(),
+                });
+            }
+            anyhow::Ok(v)
+        })?;
+        out.push(value);
+    }
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
+        Format::Text => {
+            for v in &out {
+                println!("flow {}", v["flow"].as_str().unwrap_or(""));
+                println!(
+                    "  snapshot    {}",
+                    v["snapshot"]["state"].as_str().unwrap_or("none")
+                );
+                println!(
+                    "  applied     {} transactions through {} ({} duplicates skipped)",
+                    v["checkpoint"]["transactions"],
+                    v["checkpoint"]["commit_lsn"].as_str().unwrap_or("-"),
+                    v["checkpoint"]["duplicates_skipped"]
+                );
+                println!(
+                    "  last verify {}",
+                    v["last_verify"]["verdict"].as_str().unwrap_or("never")
+                );
+                let q = v["quarantined"].as_array().map_or(0, Vec::len);
+                println!("  quarantine  {q} open");
+                for item in v["quarantined"].as_array().into_iter().flatten() {
+                    println!(
+                        "    {} {}\n      recovery: {}",
+                        item["commit_lsn"].as_str().unwrap_or(""),
+                        item["reason"].as_str().unwrap_or(""),
+                        item["recovery"].as_str().unwrap_or("")
+                    );
+                }
+                if let Some(log) = v.get("log") {
+                    println!(
+                        "  log         {} records; cursors {}",
+                        log["next_offset"], log["cursors"]
+                    );
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Exit status of preflight: 0 ready, 3 blocked, 2 could not check.
+pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
+    let outcome = (|| {
+        let config = config::load(&args.config)?;
+        let rt = runtime()?;
+        let mut findings = Vec::new();
+        for (index, f) in flows(&config, None)? {
+            let found = rt
+                .block_on(async {
+                    let (source_url, target_url) = flow::urls(f, index)?;
+                    let source = flow::connect(&source_url, "source").await?;
+                    let target = flow::connect(&target_url, "target").await?;
+                    let mut all = crate::preflight::source(f, &source).await?;
+                    all.extend(crate::preflight::target(f, &source, &target).await?);
+                    anyhow::Ok(all)
+                })
+                .with_context(|| format!("preflight flow {}", f.name))?;
+            findings.push((f.name.clone(), found));
+        }
+        anyhow::Ok(findings)
+    })();
+    let findings = match outcome {
+        Ok(f) => f,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            return Ok(ExitCode::from(EXIT_ERROR));
+        }
+    };
+    let blocked = findings.iter().flat_map(|(_, f)| f).any(|f| f.blocking);
+    match args.format {
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "ready": !blocked,
+                "flows": findings.iter().map(|(n, f)| json!({"flow": n, "findings": f})).collect::<Vec<_>>(),
+            }))?
+        ),
+        Format::Text => {
+            let mut actions = Vec::new();
+            for (name, list) in &findings {
+                println!("flow {name}");
+                for f in list {
+                    println!(
+                        "  {} {:<8} {:<32} {}",
+                        if f.ok {
+                            "ok  "
+                        } else if f.blocking {
+                            "FAIL"
+                        } else {
+                            "note"
+                        },
+                        f.side,
+                        f.check,
+                        f.detail
+                    );
+                    if let Some(a) = &f.action {
+                        actions.push(a.clone());
+                    }
+                }
+            }
+            for (i, a) in actions.iter().enumerate() {
+                println!("action {}: {a}", i + 1);
+            }
+            println!(
+                "{} · nothing was created",
+                if blocked { "BLOCKED" } else { "READY" }
+            );
+        }
+    }
+    Ok(if blocked {
+        ExitCode::from(3)
+    } else {
+        ExitCode::SUCCESS
+    })
+}

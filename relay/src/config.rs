@@ -1,0 +1,511 @@
+//! `trellara.yml`, schema version 2: flows (source, target, tables, capture
+//! path, transport) under an environment. Documented field by field in
+//! docs/CONFIG.md.
+//!
+//! Invariants:
+//! * Unknown fields are errors (a typo never silently means a default).
+//! * Every problem names its field path and the fix ([`ConfigIssue`]).
+//! * `environment: production` refuses inline URLs: secrets come from an
+//!   environment variable or an absolute file path. Resolved URLs are never
+//!   printed; [`SecretRef`]'s Debug and Display redact them.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+pub const SCHEMA_VERSION: u32 = 2;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub schema_version: u32,
+    #[serde(default)]
+    pub environment: Environment,
+    pub flows: Vec<Flow>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Environment {
+    /// A laptop or CI: inline URLs allowed, local log.
+    #[default]
+    Evaluation,
+    /// Secrets only by reference.
+    Production,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Flow {
+    /// Lower-case letters, digits, `_` and `-`; names slots, cursors, state.
+    pub name: String,
+    pub source: Source,
+    pub target: Target,
+    /// `schema.table`, each with a primary key or replica identity.
+    pub tables: Vec<String>,
+    #[serde(default)]
+    pub capture: CapturePath,
+    #[serde(default)]
+    pub transport: Transport,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Source {
+    #[serde(flatten)]
+    pub url: SecretRef,
+    /// Stable id in every envelope and checkpoint; default: the flow name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_id: Option<String>,
+    /// Logical slot; default `trellara_<flow>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<String>,
+    /// Publication; default `trellara_<flow>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publication: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Target {
+    #[serde(flatten)]
+    pub url: SecretRef,
+}
+
+/// A connection string given inline (`url`), by environment variable
+/// (`url_env`) or by file (`url_file`, absolute path). Exactly one.
+#[derive(Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretRef {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url_env: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for SecretRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl std::fmt::Display for SecretRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.url, &self.url_env, &self.url_file) {
+            (Some(_), _, _) => write!(f, "<redacted inline url>"),
+            (_, Some(var), _) => write!(f, "env:{var}"),
+            (_, _, Some(path)) => write!(f, "file:{}", path.display()),
+            _ => write!(f, "<none>"),
+        }
+    }
+}
+
+impl SecretRef {
+    /// The connection string. Errors name `field` and the fix.
+    pub fn resolve(&self, field: &str) -> Result<String, ConfigIssue> {
+        match (&self.url, &self.url_env, &self.url_file) {
+            (Some(url), None, None) => Ok(url.clone()),
+            (None, Some(var), None) => std::env::var(var).map_err(|_| {
+                ConfigIssue::new(
+                    format!("{field}.url_env"),
+                    format!("environment variable {var} is not set"),
+                    format!("export {var}=postgresql://..."),
+                )
+            }),
+            (None, None, Some(path)) => std::fs::read_to_string(path)
+                .map(|s| s.trim().to_owned())
+                .map_err(|e| {
+                    ConfigIssue::new(
+                        format!("{field}.url_file"),
+                        format!("cannot read {}: {e}", path.display()),
+                        "point url_file at a readable file holding only the URL".into(),
+                    )
+                }),
+            _ => Err(ConfigIssue::new(
+                field.to_owned(),
+                "needs exactly one of url, url_env, url_file".into(),
+                "keep one of the three".into(),
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CapturePath {
+    /// pgoutput over the replication protocol; works on managed providers.
+    #[default]
+    External,
+    /// The trellara extension (shared_preload_libraries).
+    Native,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Transport {
+    /// The durable segment log in a local directory.
+    Local {
+        #[serde(default = "default_log_dir")]
+        log_dir: PathBuf,
+    },
+    Kafka {
+        brokers: String,
+        topic: String,
+    },
+}
+
+impl Default for Transport {
+    fn default() -> Self {
+        Transport::Local {
+            log_dir: default_log_dir(),
+        }
+    }
+}
+
+fn default_log_dir() -> PathBuf {
+    PathBuf::from("./.trellara/log")
+}
+
+/// One problem: where, what, and how to fix it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ConfigIssue {
+    pub field: String,
+    pub problem: String,
+    pub fix: String,
+}
+
+impl ConfigIssue {
+    pub fn new(field: String, problem: String, fix: String) -> Self {
+        ConfigIssue {
+            field,
+            problem,
+            fix,
+        }
+    }
+}
+
+impl std::fmt::Display for ConfigIssue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}\n  fix: {}", self.field, self.problem, self.fix)
+    }
+}
+
+impl std::error::Error for ConfigIssue {}
+
+/// Why a config file could not be used at all.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error(
+        "cannot read config {path}: {source}\nhint: create one with `trellara init ... --evaluate`"
+    )]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("{path} has {} problem(s):\n{}", issues.len(), issues.iter().map(|i| format!("  {i}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        path: String,
+        issues: Vec<ConfigIssue>,
+    },
+}
+
+/// Parses and validates; relative log directories resolve against the
+/// config file's directory.
+pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let mut config = parse(&text).map_err(|message| ConfigError::Parse {
+        path: path.display().to_string(),
+        message,
+    })?;
+    let issues = validate(&config);
+    if !issues.is_empty() {
+        return Err(ConfigError::Invalid {
+            path: path.display().to_string(),
+            issues,
+        });
+    }
+    let base = path.parent().unwrap_or(Path::new("."));
+    for flow in &mut config.flows {
+        if let Transport::Local { log_dir } = &mut flow.transport
+            && log_dir.is_relative()
+        {
+            *log_dir = base.join(&*log_dir);
+        }
+    }
+    Ok(config)
+}
+
+pub fn parse(text: &str) -> Result<Config, String> {
+    serde_yaml_ng::from_str(text)
+        .map_err(|e| format!("{e}\nhint: see docs/CONFIG.md for every field (schema_version: 2)"))
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 40
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+/// Every problem in the config, each naming its field and fix. Offline:
+/// touches no database and reads no secret files.
+pub fn validate(config: &Config) -> Vec<ConfigIssue> {
+    let mut issues = Vec::new();
+    let mut issue = |field: String, problem: String, fix: &str| {
+        issues.push(ConfigIssue::new(field, problem, fix.to_owned()));
+    };
+    if config.schema_version != SCHEMA_VERSION {
+        issue(
+            "schema_version".into(),
+            format!(
+                "is {}, this build reads {SCHEMA_VERSION}",
+                config.schema_version
+            ),
+            "set schema_version: 2 (see docs/CONFIG.md for changes)",
+        );
+    }
+    if config.flows.is_empty() {
+        issue(
+            "flows".into(),
+            "is empty".into(),
+            "add a flow, e.g. with `trellara init`",
+        );
+    }
+    let mut names = std::collections::HashSet::new();
+    for (i, flow) in config.flows.iter().enumerate() {
+        let at = |field: &str| format!("flows[{i}].{field}");
+        if !valid_name(&flow.name) {
+            issue(
+                at("name"),
+                format!("{:?} is not a valid flow name", flow.name),
+                "use 1-40 lower-case letters, digits, '_' or '-'",
+            );
+        }
+        if !names.insert(flow.name.clone()) {
+            issue(
+                at("name"),
+                format!("{:?} is used by another flow", flow.name),
+                "give each flow its own name",
+            );
+        }
+        for (side, secret) in [("source", &flow.source.url), ("target", &flow.target.url)] {
+            let set = [
+                secret.url.is_some(),
+                secret.url_env.is_some(),
+                secret.url_file.is_some(),
+            ]
+            .iter()
+            .filter(|&&b| b)
+            .count();
+            if set != 1 {
+                issue(
+                    at(side),
+                    format!("has {set} of url, url_env, url_file"),
+                    "give exactly one of url, url_env or url_file",
+                );
+            }
+            if secret.url.is_some() && config.environment == Environment::Production {
+                issue(
+                    at(&format!("{side}.url")),
+                    "inline connection strings are refused in environment: production".into(),
+                    "use url_env: VAR_NAME or url_file: /absolute/path",
+                );
+            }
+            if let Some(path) = &secret.url_file
+                && !path.is_absolute()
+            {
+                issue(
+                    at(&format!("{side}.url_file")),
+                    format!("{} is not an absolute path", path.display()),
+                    "use an absolute path",
+                );
+            }
+        }
+        for (field, value) in [
+            ("source.slot", &flow.source.slot),
+            ("source.publication", &flow.source.publication),
+        ] {
+            if let Some(v) = value
+                && trellara_external_relay::pgwire::validate_slot_name(v).is_err()
+            {
+                issue(
+                    at(field),
+                    format!("{v:?} is not a valid name"),
+                    "use 1-63 lower-case letters, digits and underscores",
+                );
+            }
+        }
+        if flow.tables.is_empty() {
+            issue(
+                at("tables"),
+                "is empty".into(),
+                "list the tables to replicate, e.g. [public.sales]",
+            );
+        }
+        for (t, table) in flow.tables.iter().enumerate() {
+            if split_table(table).is_none() {
+                issue(
+                    format!("flows[{i}].tables[{t}]"),
+                    format!("{table:?} is not schema.table"),
+                    "qualify the table, e.g. public.sales",
+                );
+            }
+        }
+        if let Transport::Kafka { .. } = flow.transport {
+            issue(
+                at("transport.kind"),
+                "kafka is not built yet in this release".into(),
+                "use kind: local",
+            );
+        }
+        if flow.capture == CapturePath::Native {
+            issue(
+                at("capture"),
+                "native capture through `trellara run` is not built yet (the extension's worker and socket are pending)".into(),
+                "use capture: external",
+            );
+        }
+    }
+    issues
+}
+
+/// `schema.table` -> (schema, table); plain lower-case identifiers only.
+pub fn split_table(name: &str) -> Option<(&str, &str)> {
+    let (schema, table) = name.split_once('.')?;
+    let ok = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            && !s.as_bytes()[0].is_ascii_digit()
+    };
+    (ok(schema) && ok(table)).then_some((schema, table))
+}
+
+impl Flow {
+    fn default_name(&self) -> String {
+        format!("trellara_{}", self.name.replace('-', "_"))
+    }
+
+    pub fn slot(&self) -> String {
+        self.source
+            .slot
+            .clone()
+            .unwrap_or_else(|| self.default_name())
+    }
+
+    pub fn publication(&self) -> String {
+        self.source
+            .publication
+            .clone()
+            .unwrap_or_else(|| self.default_name())
+    }
+
+    pub fn source_id(&self) -> String {
+        self.source
+            .source_id
+            .clone()
+            .unwrap_or_else(|| self.name.clone())
+    }
+
+    pub fn log_dir(&self) -> Option<&Path> {
+        match &self.transport {
+            Transport::Local { log_dir } => Some(log_dir),
+            Transport::Kafka { .. } => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "
+schema_version: 2
+environment: evaluation
+flows:
+  - name: shop
+    source:
+      url: postgresql://postgres@127.0.0.1:5432/shop
+    target:
+      url_env: TARGET_URL
+    tables: [public.orders, public.line_items]
+";
+
+    #[test]
+    fn a_minimal_config_is_valid_with_defaults() {
+        let c = parse(GOOD).expect("parses");
+        assert!(validate(&c).is_empty(), "{:?}", validate(&c));
+        let f = &c.flows[0];
+        assert_eq!(
+            (f.slot(), f.publication(), f.source_id()),
+            (
+                "trellara_shop".into(),
+                "trellara_shop".into(),
+                "shop".into()
+            )
+        );
+        assert_eq!(f.capture, CapturePath::External);
+        assert_eq!(f.log_dir(), Some(Path::new("./.trellara/log")));
+        assert!(
+            !format!("{:?}", f.source.url).contains("postgres@"),
+            "debug output redacts the URL"
+        );
+    }
+
+    #[test]
+    fn typos_are_errors_naming_the_field() {
+        let err = parse(&GOOD.replace("tables:", "tabels:")).expect_err("unknown field");
+        assert!(err.contains("tabels"), "{err}");
+    }
+
+    #[test]
+    fn every_issue_names_field_and_fix() {
+        let bad = GOOD
+            .replace("schema_version: 2", "schema_version: 1")
+            .replace("environment: evaluation", "environment: production")
+            .replace("name: shop", "name: Shop!")
+            .replace("public.line_items", "line_items");
+        let issues = validate(&parse(&bad).expect("parses"));
+        let fields: Vec<&str> = issues.iter().map(|i| i.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "schema_version",
+                "flows[0].name",
+                "flows[0].source.url",
+                "flows[0].tables[1]"
+            ]
+        );
+        assert!(issues.iter().all(|i| !i.fix.is_empty()));
+    }
+
+    #[test]
+    fn secrets_resolve_from_env_and_file() {
+        let dir = std::env::temp_dir().join(format!("trellara-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("url");
+        std::fs::write(&file, "postgresql://u@h/db\n").expect("write");
+        let by_file = SecretRef {
+            url_file: Some(file),
+            ..SecretRef::default()
+        };
+        assert_eq!(
+            by_file.resolve("target").expect("file"),
+            "postgresql://u@h/db"
+        );
+        let missing = SecretRef {
+            url_env: Some("TRELLARA_SURELY_UNSET_VAR".into()),
+            ..SecretRef::default()
+        };
+        let err = missing.resolve("flows[0].target").expect_err("unset");
+        assert_eq!(err.field, "flows[0].target.url_env");
+    }
+}

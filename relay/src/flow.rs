@@ -1,0 +1,203 @@
+//! Runs one configured flow end to end: snapshot and handoff if needed,
+//! capture into the durable log until caught up with the source's WAL
+//! position at the start of the round, then apply everything durable to
+//! the target.
+//!
+//! ```text
+//!  snapshot (once) ─▶ capture until durable ≥ source WAL position ─▶ apply log
+//!                       └──────────── --follow repeats ◀─────────────┘
+//! ```
+
+use crate::apply::{Applier, ApplyError, ApplyStats};
+use crate::capture::{self, CaptureConfig};
+use crate::config::Flow;
+use crate::log::{Log, LogConfig, storage::FsStorage};
+use crate::snapshot::{self, SnapshotReport};
+use crate::state::{self, SnapshotState};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_postgres::{Client, NoTls};
+use trellara_common::Lsn;
+use trellara_external_relay::pgoutput::ProtoVersion;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FlowError {
+    #[error("{0}")]
+    Config(#[from] crate::config::ConfigIssue),
+    #[error("connect to the {side} database ({target}): {source}")]
+    Connect {
+        side: &'static str,
+        target: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    #[error("target database: {0}")]
+    Target(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Snapshot(#[from] snapshot::SnapshotError),
+    #[error(transparent)]
+    Capture(#[from] capture::CaptureError),
+    #[error(transparent)]
+    Apply(#[from] ApplyError),
+    #[error(transparent)]
+    Log(#[from] crate::log::Error),
+    #[error(
+        "flow {0} uses a transport or capture path this build cannot run; see `trellara check --config`"
+    )]
+    Unsupported(String),
+    #[error("log directory {path}: {source}")]
+    LogDir {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What one `run` did.
+#[derive(Debug, Default, Clone)]
+pub struct RunReport {
+    pub flow: String,
+    pub snapshot: Option<SnapshotReport>,
+    pub envelopes_captured: u64,
+    pub capture_duplicates_skipped: u64,
+    pub apply: ApplyStats,
+    pub caught_up_to: Option<Lsn>,
+}
+
+/// Opens a plain SQL connection; the connection task runs in the background.
+pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError> {
+    let (client, connection) = tokio_postgres::connect(url, NoTls)
+        .await
+        .map_err(|source| FlowError::Connect {
+            side,
+            target: redact(url),
+            source,
+        })?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::warn!(side, error = %e, "database connection ended");
+        }
+    });
+    Ok(client)
+}
+
+/// A URL without its password, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            let user = creds.split(':').next().unwrap_or("");
+            format!("{}{user}:<redacted>{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// Source and target URLs of a flow, resolved from their references.
+pub fn urls(flow: &Flow, index: usize) -> Result<(String, String), FlowError> {
+    let source = flow.source.url.resolve(&format!("flows[{index}].source"))?;
+    let target = flow.target.url.resolve(&format!("flows[{index}].target"))?;
+    Ok((source, target))
+}
+
+/// One round: snapshot if needed, capture until caught up, apply.
+pub async fn run_once(
+    flow: &Flow,
+    index: usize,
+    config_path: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<RunReport, FlowError> {
+    let log_dir = flow
+        .log_dir()
+        .ok_or_else(|| FlowError::Unsupported(flow.name.clone()))?
+        .to_path_buf();
+    let (source_url, target_url) = urls(flow, index)?;
+    let source = connect(&source_url, "source").await?;
+    let target = connect(&target_url, "target").await?;
+    state::ensure(&target).await?;
+    let mut report = RunReport {
+        flow: flow.name.clone(),
+        ..RunReport::default()
+    };
+
+    let current = snapshot::load(&target, &flow.name).await?;
+    let handed_off = matches!(
+        current.as_ref().map(|r| r.state),
+        Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
+    );
+    if !handed_off {
+        // A new boundary means a new stream: the old log cannot be applied
+        // on top of it.
+        if log_dir.exists() {
+            std::fs::remove_dir_all(&log_dir).map_err(|source| FlowError::LogDir {
+                path: log_dir.display().to_string(),
+                source,
+            })?;
+        }
+        progress(&format!(
+            "snapshot: {}",
+            current.map_or("first run".to_owned(), |r| format!(
+                "previous run was {}, re-planning",
+                r.state.as_str()
+            ))
+        ));
+        report.snapshot = Some(snapshot::run(flow, &source_url, &source, &target, progress).await?);
+    }
+
+    // Capture until everything committed before now is durable.
+    let goal: Lsn = source
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .map_err(|source| FlowError::Connect {
+            side: "source",
+            target: redact(&source_url),
+            source,
+        })?
+        .get::<_, String>(0)
+        .parse()
+        .unwrap_or(Lsn::ZERO);
+    let (tx, mut rx) = tokio::sync::watch::channel(Lsn::ZERO);
+    let config = CaptureConfig {
+        source: source_url.parse().map_err(|e| {
+            crate::config::ConfigIssue::new(
+                format!("flows[{index}].source"),
+                format!("{e}"),
+                "use postgresql://user[:password]@host:port/db".into(),
+            )
+        })?,
+        slot: flow.slot(),
+        publications: vec![flow.publication()],
+        create_slot: false,
+        source_id: flow.source_id(),
+        dataset_id: flow.name.clone(),
+        log_dir: log_dir.clone(),
+        proto_version: ProtoVersion::V2,
+        memory_budget: 64 << 20,
+        chunk_bytes: 4 << 20,
+        status_interval: Duration::from_millis(200),
+        max_backoff: Duration::from_secs(10),
+        pinned: HashMap::new(),
+        progress: Some(Arc::new(tx)),
+    };
+    progress(&format!(
+        "capture: streaming slot {} until {goal}",
+        flow.slot()
+    ));
+    let caught_up = async move {
+        let _ = rx.wait_for(|durable| *durable >= goal).await;
+    };
+    let stats = capture::run(config, caught_up).await?;
+    report.envelopes_captured = stats.envelopes;
+    report.capture_duplicates_skipped = stats.duplicates_skipped;
+    report.caught_up_to = Some(goal);
+
+    let (log, _) = Log::open(FsStorage::new(), &log_dir, LogConfig::default())?;
+    let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path);
+    report.apply = applier.apply_log(&log).await?;
+    progress(&format!(
+        "apply: {} transactions ({} rows), {} duplicates skipped",
+        report.apply.transactions, report.apply.rows, report.apply.duplicates_skipped
+    ));
+    Ok(report)
+}

@@ -1,0 +1,315 @@
+//! Initial snapshot and handoff to the stream, as a state machine persisted
+//! in `trellara.snapshot_runs` / `trellara.snapshot_tables` on the target:
+//!
+//! ```text
+//!  planned ─▶ copying ─▶ copied ─▶ stream_handoff_ready ─▶ verified
+//!     ▲          │  (any state) ─▶ failed_recoverable ──────────┘ (verify)
+//!     └──────────┴──── re-plan (new slot, new consistent LSN) ◀──┘
+//! ```
+//!
+//! Invariants:
+//! * The consistent LSN (the slot's exported snapshot) is recorded before
+//!   any row is copied, and every table is copied from that one snapshot.
+//! * A table's copy is idempotent: truncate, COPY and its progress row
+//!   commit in one target transaction, so a crashed copy leaves the table as
+//!   before and is simply redone.
+//! * The handoff (checkpoint at the consistent LSN, state
+//!   stream_handoff_ready) is recorded before streaming starts; the stream
+//!   then carries exactly the transactions that committed after it.
+//! * An exported snapshot lives only while its replication session is idle;
+//!   a run interrupted mid-copy cannot resume at the same boundary, so it is
+//!   re-planned (new slot, new boundary) rather than continued at a wrong one.
+
+use crate::config::{Flow, split_table};
+use crate::state::SnapshotState;
+use futures_util::{SinkExt, StreamExt};
+use std::time::Instant;
+use tokio_postgres::Client;
+use trellara_common::Lsn;
+use trellara_external_relay::pgwire::{self, ConnectOptions, Connection};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("target database: {0}")]
+    Target(#[source] tokio_postgres::Error),
+    #[error("source database: {0}")]
+    Source(#[source] tokio_postgres::Error),
+    #[error("source replication session: {0}")]
+    Wire(#[from] pgwire::WireError),
+    #[error("table {table}: {problem}\nhint: {hint}")]
+    Table {
+        table: String,
+        problem: String,
+        hint: String,
+    },
+    #[error("snapshot state {from} cannot become {to}")]
+    Transition {
+        from: &'static str,
+        to: &'static str,
+    },
+}
+
+/// Where a flow's snapshot stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunState {
+    pub run_id: i64,
+    pub state: SnapshotState,
+    pub consistent_lsn: Option<Lsn>,
+}
+
+pub async fn load(client: &Client, flow: &str) -> Result<Option<RunState>, SnapshotError> {
+    let row = client
+        .query_opt(
+            "SELECT run_id, state, consistent_lsn::text FROM trellara.snapshot_runs WHERE flow = $1",
+            &[&flow],
+        )
+        .await
+        .map_err(SnapshotError::Target)?;
+    Ok(row.and_then(|r| {
+        Some(RunState {
+            run_id: r.get(0),
+            state: SnapshotState::parse(r.get(1))?,
+            consistent_lsn: r.get::<_, Option<String>>(2).and_then(|s| s.parse().ok()),
+        })
+    }))
+}
+
+/// Moves the run to `next` if the machine allows it from its current state.
+pub async fn transition(
+    client: &Client,
+    flow: &str,
+    next: SnapshotState,
+    reason: Option<&str>,
+) -> Result<(), SnapshotError> {
+    if let Some(current) = load(client, flow).await? {
+        if current.state == next {
+            return Ok(());
+        }
+        if !current.state.may_become(next) {
+            return Err(SnapshotError::Transition {
+                from: current.state.as_str(),
+                to: next.as_str(),
+            });
+        }
+    }
+    client
+        .execute(
+            "UPDATE trellara.snapshot_runs SET state = $2, reason = $3, updated_at = now() WHERE flow = $1",
+            &[&flow, &next.as_str(), &reason],
+        )
+        .await
+        .map_err(SnapshotError::Target)?;
+    Ok(())
+}
+
+/// What a snapshot did, for progress and reports.
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotReport {
+    pub consistent_lsn: Lsn,
+    pub tables: Vec<(String, u64)>,
+}
+
+/// Runs the whole machine from planned to stream_handoff_ready: creates the
+/// publication if missing, the slot with an exported snapshot, copies every
+/// table at that boundary, and records the handoff.
+pub async fn run(
+    flow: &Flow,
+    source_url: &str,
+    source: &Client,
+    target: &Client,
+    progress: &mut dyn FnMut(&str),
+) -> Result<SnapshotReport, SnapshotError> {
+    let slot = flow.slot();
+    let publication = flow.publication();
+    // Publication first: the slot's stream is filtered by it.
+    let exists: bool = source
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)",
+            &[&publication],
+        )
+        .await
+        .map_err(SnapshotError::Source)?
+        .get(0);
+    if !exists {
+        let tables: Vec<String> = flow
+            .tables
+            .iter()
+            .filter_map(|t| split_table(t).map(|(s, n)| format!("\"{s}\".\"{n}\"")))
+            .collect();
+        source
+            .batch_execute(&format!(
+                "CREATE PUBLICATION {publication} FOR TABLE {}",
+                tables.join(", ")
+            ))
+            .await
+            .map_err(SnapshotError::Source)?;
+        progress(&format!("created publication {publication}"));
+    }
+
+    let mut options: ConnectOptions = source_url.parse()?;
+    options.replication = true;
+    let mut repl = Connection::connect(&options).await?;
+    if repl.slot_info(&slot).await?.is_some() {
+        // Left by an interrupted run: its snapshot is gone with its session.
+        repl.drop_slot(&slot).await?;
+        progress(&format!(
+            "dropped slot {slot} of an interrupted snapshot run"
+        ));
+    }
+    let created = repl.create_logical_slot(&slot, true, false).await?;
+    let snapshot = created
+        .snapshot_name
+        .clone()
+        .ok_or_else(|| SnapshotError::Table {
+            table: "-".into(),
+            problem: "the server exported no snapshot".into(),
+            hint: "the slot must be created outside a transaction on a primary".into(),
+        })?;
+    let consistent = created.consistent_point;
+    target
+        .execute(
+            "INSERT INTO trellara.snapshot_runs AS r (flow, run_id, state, consistent_lsn)
+             VALUES ($1, 1, 'planned', $2::text::pg_lsn)
+             ON CONFLICT (flow) DO UPDATE SET run_id = r.run_id + 1, state = 'planned',
+                consistent_lsn = EXCLUDED.consistent_lsn, reason = NULL, started_at = now(), updated_at = now()",
+            &[&flow.name, &consistent.to_string()],
+        )
+        .await
+        .map_err(SnapshotError::Target)?;
+    target
+        .execute(
+            "DELETE FROM trellara.snapshot_tables WHERE flow = $1",
+            &[&flow.name],
+        )
+        .await
+        .map_err(SnapshotError::Target)?;
+    transition(target, &flow.name, SnapshotState::Copying, None).await?;
+    progress(&format!(
+        "slot {slot} created; consistent LSN {consistent}, copying at exported snapshot {snapshot}"
+    ));
+
+    let mut report = SnapshotReport {
+        consistent_lsn: consistent,
+        tables: Vec::new(),
+    };
+    for table in &flow.tables {
+        let started = Instant::now();
+        let rows = copy_table(table, &snapshot, source, target, &flow.name).await?;
+        progress(&format!(
+            "copied {table}: {rows} rows in {:.1}s",
+            started.elapsed().as_secs_f64()
+        ));
+        report.tables.push((table.clone(), rows));
+    }
+    // The exported snapshot may end now: every table holds its boundary.
+    drop(repl);
+    transition(target, &flow.name, SnapshotState::Copied, None).await?;
+    // Handoff: streaming starts after the consistent LSN; the checkpoint
+    // says so before the first streamed transaction can be applied.
+    target
+        .execute(
+            "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid)
+             VALUES ($1, $2, $3::text::pg_lsn, $3::text::pg_lsn, 0)
+             ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
+                commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = 0,
+                transactions = 0, duplicates_skipped = 0, updated_at = now()",
+            &[&flow.name, &flow.source_id(), &consistent.to_string()],
+        )
+        .await
+        .map_err(SnapshotError::Target)?;
+    transition(target, &flow.name, SnapshotState::StreamHandoffReady, None).await?;
+    Ok(report)
+}
+
+/// Copies one table at the exported snapshot, idempotently.
+async fn copy_table(
+    table: &str,
+    snapshot: &str,
+    source: &Client,
+    target: &Client,
+    flow: &str,
+) -> Result<u64, SnapshotError> {
+    let bad = |problem: String, hint: &str| SnapshotError::Table {
+        table: table.to_owned(),
+        problem,
+        hint: hint.to_owned(),
+    };
+    let (schema, name) = split_table(table)
+        .ok_or_else(|| bad("is not schema.table".into(), "fix flows[].tables"))?;
+    let qualified = format!("\"{schema}\".\"{name}\"");
+    let columns: Vec<String> = source
+        .query(
+            "SELECT quote_ident(attname) FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
+             ORDER BY attnum",
+            &[&qualified],
+        )
+        .await
+        .map_err(SnapshotError::Source)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if columns.is_empty() {
+        return Err(bad(
+            "does not exist on the source".into(),
+            "create it or remove it from flows[].tables",
+        ));
+    }
+    let list = columns.join(", ");
+    source
+        .batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{snapshot}'"
+        ))
+        .await
+        .map_err(SnapshotError::Source)?;
+    target
+        .batch_execute("BEGIN")
+        .await
+        .map_err(SnapshotError::Target)?;
+    let result = async {
+        target
+            .batch_execute(&format!("TRUNCATE {qualified}"))
+            .await
+            .map_err(|e| bad(format!("cannot truncate on the target: {e}"), "create the table on the target with compatible columns"))?;
+        let out = source
+            .copy_out(&format!("COPY (SELECT {list} FROM ONLY {qualified}) TO STDOUT"))
+            .await
+            .map_err(SnapshotError::Source)?;
+        let sink = target
+            .copy_in(&format!("COPY {qualified} ({list}) FROM STDIN"))
+            .await
+            .map_err(|e| bad(format!("cannot COPY into the target: {e}"), "make the target's columns match the source"))?;
+        futures_util::pin_mut!(out);
+        futures_util::pin_mut!(sink);
+        while let Some(chunk) = out.next().await {
+            let chunk = chunk.map_err(SnapshotError::Source)?;
+            sink.send(chunk).await.map_err(SnapshotError::Target)?;
+        }
+        let rows = sink.finish().await.map_err(SnapshotError::Target)?;
+        target
+            .execute(
+                "INSERT INTO trellara.snapshot_tables (flow, run_id, table_name, rows_copied)
+                 SELECT $1, run_id, $2, $3 FROM trellara.snapshot_runs WHERE flow = $1
+                 ON CONFLICT (flow, table_name) DO UPDATE SET rows_copied = EXCLUDED.rows_copied, copied_at = now()",
+                &[&flow, &table, &(rows as i64)],
+            )
+            .await
+            .map_err(SnapshotError::Target)?;
+        Ok::<u64, SnapshotError>(rows)
+    }
+    .await;
+    let _ = source.batch_execute("COMMIT").await;
+    match result {
+        Ok(rows) => {
+            target
+                .batch_execute("COMMIT")
+                .await
+                .map_err(SnapshotError::Target)?;
+            Ok(rows)
+        }
+        Err(e) => {
+            let _ = target.batch_execute("ROLLBACK").await;
+            Err(e)
+        }
+    }
+}

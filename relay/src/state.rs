@@ -1,0 +1,149 @@
+//! Durable flow state in the target database, schema `trellara`: the apply
+//! checkpoint, quarantine records, the snapshot state machine and verify
+//! evidence. Reports and evidence read these tables, never process memory.
+//!
+//! The checkpoint row is written in the same target transaction as the rows
+//! it accounts for; that is what makes redelivery detectable.
+
+use tokio_postgres::Client;
+
+const SCHEMA: &str = "
+CREATE SCHEMA IF NOT EXISTS trellara;
+CREATE TABLE IF NOT EXISTS trellara.checkpoints (
+    flow text PRIMARY KEY,
+    source_id text NOT NULL,
+    commit_lsn pg_lsn NOT NULL,
+    end_lsn pg_lsn NOT NULL,
+    xid bigint NOT NULL,
+    transactions bigint NOT NULL DEFAULT 0,
+    duplicates_skipped bigint NOT NULL DEFAULT 0,
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS trellara.quarantine (
+    flow text NOT NULL,
+    commit_lsn pg_lsn NOT NULL,
+    xid bigint NOT NULL,
+    reason text NOT NULL,
+    recovery text NOT NULL,
+    envelope bytea NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    attempts int NOT NULL DEFAULT 1,
+    resolved_at timestamptz,
+    PRIMARY KEY (flow, commit_lsn)
+);
+CREATE TABLE IF NOT EXISTS trellara.snapshot_runs (
+    flow text PRIMARY KEY,
+    run_id bigint NOT NULL,
+    state text NOT NULL CHECK (state IN ('planned', 'copying', 'copied',
+        'stream_handoff_ready', 'verified', 'failed_recoverable')),
+    consistent_lsn pg_lsn,
+    reason text,
+    started_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS trellara.snapshot_tables (
+    flow text NOT NULL,
+    run_id bigint NOT NULL,
+    table_name text NOT NULL,
+    rows_copied bigint NOT NULL,
+    copied_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (flow, table_name)
+);
+CREATE TABLE IF NOT EXISTS trellara.verify_runs (
+    flow text NOT NULL,
+    verified_at timestamptz NOT NULL DEFAULT now(),
+    verdict text NOT NULL,
+    evidence jsonb NOT NULL
+);
+";
+
+/// Creates the state schema if missing (idempotent).
+pub async fn ensure(client: &Client) -> Result<(), tokio_postgres::Error> {
+    client.batch_execute(SCHEMA).await
+}
+
+/// The snapshot state machine's states, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotState {
+    Planned,
+    Copying,
+    Copied,
+    StreamHandoffReady,
+    Verified,
+    FailedRecoverable,
+}
+
+impl SnapshotState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SnapshotState::Planned => "planned",
+            SnapshotState::Copying => "copying",
+            SnapshotState::Copied => "copied",
+            SnapshotState::StreamHandoffReady => "stream_handoff_ready",
+            SnapshotState::Verified => "verified",
+            SnapshotState::FailedRecoverable => "failed_recoverable",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<SnapshotState> {
+        Some(match s {
+            "planned" => SnapshotState::Planned,
+            "copying" => SnapshotState::Copying,
+            "copied" => SnapshotState::Copied,
+            "stream_handoff_ready" => SnapshotState::StreamHandoffReady,
+            "verified" => SnapshotState::Verified,
+            "failed_recoverable" => SnapshotState::FailedRecoverable,
+            _ => return None,
+        })
+    }
+
+    /// Whether moving from `self` to `next` is allowed. Forward one step at
+    /// a time; verify alone promotes to verified and may demote verified;
+    /// any state may fail; a failed run restarts only by re-planning.
+    pub fn may_become(self, next: SnapshotState) -> bool {
+        use SnapshotState as S;
+        matches!(
+            (self, next),
+            (S::Planned, S::Copying)
+                | (S::Copying, S::Copied)
+                | (S::Copied, S::StreamHandoffReady)
+                | (S::StreamHandoffReady, S::Verified)
+                | (S::Verified, S::FailedRecoverable)
+                | (S::FailedRecoverable, S::Planned)
+                | (_, S::FailedRecoverable)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SnapshotState as S;
+
+    #[test]
+    fn the_machine_refuses_unsafe_backward_moves() {
+        assert!(S::Planned.may_become(S::Copying));
+        assert!(S::Copied.may_become(S::StreamHandoffReady));
+        assert!(S::StreamHandoffReady.may_become(S::Verified));
+        assert!(S::Verified.may_become(S::FailedRecoverable));
+        assert!(S::Copying.may_become(S::FailedRecoverable));
+        for (from, to) in [
+            (S::Copying, S::StreamHandoffReady),
+            (S::Planned, S::Verified),
+            (S::Verified, S::Copying),
+            (S::StreamHandoffReady, S::Copying),
+            (S::FailedRecoverable, S::Verified),
+        ] {
+            assert!(!from.may_become(to), "{from:?} -> {to:?}");
+        }
+        for s in [
+            S::Planned,
+            S::Copying,
+            S::Copied,
+            S::StreamHandoffReady,
+            S::Verified,
+            S::FailedRecoverable,
+        ] {
+            assert_eq!(S::parse(s.as_str()), Some(s));
+        }
+    }
+}

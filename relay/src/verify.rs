@@ -1,0 +1,491 @@
+//! `trellara verify`: CONVERGED with evidence, or a named divergence with
+//! its recovery command. There is no third answer.
+//!
+//! Per table it compares row counts and an order-independent checksum: the
+//! sum of a 60-bit hash of each row's canonical text (key and covered
+//! columns), computed in SQL on both sides under the same session settings.
+//! A mismatch is narrowed by key range: the source's key order is cut into
+//! chunks (ntile), each chunk's count and checksum compared on the target
+//! over the same key range, and a mismatching chunk cut again, so the report
+//! names the diverging key range. It also checks watermarks (nothing left in
+//! the log past the applier, nothing captured-pending in the slot), the
+//! snapshot handoff state and quarantine, and reports duplicate accounting.
+//!
+//! Verify alone promotes a run from stream_handoff_ready to verified, and
+//! demotes verified to failed_recoverable on new evidence of divergence.
+
+use crate::config::{Flow, split_table};
+use crate::log::{Log, LogConfig, storage::FsStorage};
+use crate::state::SnapshotState;
+use serde::Serialize;
+use tokio_postgres::Client;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TableEvidence {
+    pub table: String,
+    pub key: Vec<String>,
+    pub source_rows: i64,
+    pub target_rows: i64,
+    pub source_checksum: String,
+    pub target_checksum: String,
+    /// Key ranges whose rows differ, narrowest found.
+    pub diverging_ranges: Vec<String>,
+    /// What could not be checked, stated exactly.
+    pub limits: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Divergence {
+    pub code: &'static str,
+    pub detail: String,
+    pub recovery: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Verdict {
+    pub flow: String,
+    pub result: &'static str,
+    pub tables: Vec<TableEvidence>,
+    pub divergences: Vec<Divergence>,
+    pub target_watermark: Option<String>,
+    pub snapshot_state: Option<String>,
+    pub consistent_lsn: Option<String>,
+    pub transactions_applied: i64,
+    pub duplicates_skipped: i64,
+}
+
+impl Verdict {
+    pub fn converged(&self) -> bool {
+        self.divergences.is_empty()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VerifyError {
+    #[error("source database: {0}")]
+    Source(#[source] tokio_postgres::Error),
+    #[error("target database: {0}")]
+    Target(#[source] tokio_postgres::Error),
+    #[error(transparent)]
+    Log(#[from] crate::log::Error),
+    #[error("table {0} is not schema.table")]
+    BadTable(String),
+}
+
+const SESSION: &str = "SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'postgres'; \
+                       SET extra_float_digits = 3; SET bytea_output = 'hex'";
+
+/// Columns of a table (canonical order) and its key columns as
+/// "name type" (primary key, else the replica identity index), read from
+/// the source.
+async fn shape(
+    source: &Client,
+    qualified: &str,
+) -> Result<(Vec<String>, Vec<String>), VerifyError> {
+    let columns = source
+        .query(
+            "SELECT quote_ident(attname) FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+            &[&qualified],
+        )
+        .await
+        .map_err(VerifyError::Source)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let key = source
+        .query(
+            "SELECT quote_ident(a.attname) || ' ' || format_type(a.atttypid, a.atttypmod)
+             FROM pg_index i
+             JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n) ON true
+             JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+             WHERE i.indrelid = to_regclass($1) AND (i.indisprimary OR i.indisreplident)
+             ORDER BY i.indisprimary DESC, k.n",
+            &[&qualified],
+        )
+        .await
+        .map_err(VerifyError::Source)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect::<Vec<String>>();
+    let mut dedup = Vec::new();
+    for k in key {
+        if !dedup.contains(&k) {
+            dedup.push(k);
+        }
+    }
+    Ok((columns, dedup))
+}
+
+/// `count(*)` and the checksum of `qualified` where `filter` holds.
+async fn aggregate(
+    client: &Client,
+    qualified: &str,
+    columns: &str,
+    filter: &str,
+) -> Result<(i64, String), tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT count(*), coalesce(sum(('x' || substr(md5(ROW({columns})::text), 1, 15))::bit(60)::bigint::numeric), 0)::text
+                 FROM ONLY {qualified} t WHERE {filter}"
+            ),
+            &[],
+        )
+        .await?;
+    Ok((row.get(0), row.get(1)))
+}
+
+/// Key-range chunks of the source: the first and last key of each of `n`
+/// chunks in key order, as text per key column.
+async fn chunks(
+    source: &Client,
+    qualified: &str,
+    key_names: &str,
+    filter: &str,
+    n: i32,
+) -> Result<Vec<(Vec<String>, Vec<String>)>, tokio_postgres::Error> {
+    let text_key: Vec<String> = key_names
+        .split(", ")
+        .map(|k| format!("{k}::text"))
+        .collect();
+    let desc: Vec<String> = key_names.split(", ").map(|k| format!("{k} DESC")).collect();
+    let bucketed = format!(
+        "(SELECT {key_names}, ntile({n}) OVER (ORDER BY {key_names}) AS b FROM ONLY {qualified} t WHERE {filter}) s"
+    );
+    let bound = |order: &str| {
+        format!(
+            "SELECT DISTINCT ON (b) ARRAY[{}] FROM {bucketed} ORDER BY b, {order}",
+            text_key.join(", ")
+        )
+    };
+    let lows = source.query(&bound(key_names), &[]).await?;
+    let highs = source.query(&bound(&desc.join(", ")), &[]).await?;
+    Ok(lows
+        .iter()
+        .zip(&highs)
+        .map(|(l, h)| (l.get::<_, Vec<String>>(0), h.get::<_, Vec<String>>(0)))
+        .collect())
+}
+
+/// `ROW(k1, k2) BETWEEN ROW('lo1'::t1, ...) AND ROW('hi1'::t1, ...)`.
+fn key_range(key: &[(String, String)], lo: &[String], hi: &[String]) -> String {
+    let literal = |values: &[String]| {
+        values
+            .iter()
+            .zip(key)
+            .map(|(v, (_, ty))| format!("'{}'::{ty}", v.replace('\'', "''")))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let names: Vec<&str> = key.iter().map(|(n, _)| n.as_str()).collect();
+    format!(
+        "ROW({}) BETWEEN ROW({}) AND ROW({})",
+        names.join(", "),
+        literal(lo),
+        literal(hi)
+    )
+}
+
+async fn verify_table(
+    source: &Client,
+    target: &Client,
+    table: &str,
+) -> Result<TableEvidence, VerifyError> {
+    let (schema, name) =
+        split_table(table).ok_or_else(|| VerifyError::BadTable(table.to_owned()))?;
+    let qualified = format!("\"{schema}\".\"{name}\"");
+    let (columns, typed_key) = shape(source, &qualified).await?;
+    let key: Vec<(String, String)> = typed_key
+        .iter()
+        .filter_map(|k| k.split_once(' ').map(|(n, t)| (n.to_owned(), t.to_owned())))
+        .collect();
+    let key_names = key
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let list = columns.join(", ");
+    let (source_rows, source_checksum) = aggregate(source, &qualified, &list, "true")
+        .await
+        .map_err(VerifyError::Source)?;
+    let (target_rows, target_checksum) = aggregate(target, &qualified, &list, "true")
+        .await
+        .map_err(VerifyError::Target)?;
+    let mut evidence = TableEvidence {
+        table: table.to_owned(),
+        key: key.iter().map(|(n, _)| n.clone()).collect(),
+        source_rows,
+        target_rows,
+        source_checksum,
+        target_checksum,
+        diverging_ranges: Vec::new(),
+        limits: Vec::new(),
+    };
+    if key.is_empty() {
+        evidence.limits.push(
+            "no primary key or replica identity index: the checksum covers every column but a divergence cannot be narrowed to a key range".into(),
+        );
+    }
+    let matches = evidence.source_rows == evidence.target_rows
+        && evidence.source_checksum == evidence.target_checksum;
+    if matches || key.is_empty() {
+        return Ok(evidence);
+    }
+    // Narrow it down: two rounds of 16 key-range chunks.
+    let mut ranges = vec!["true".to_owned()];
+    for _ in 0..2 {
+        let mut narrower = Vec::new();
+        for filter in &ranges {
+            for (lo, hi) in chunks(source, &qualified, &key_names, filter, 16)
+                .await
+                .map_err(VerifyError::Source)?
+            {
+                let range = key_range(&key, &lo, &hi);
+                let s = aggregate(source, &qualified, &list, &range)
+                    .await
+                    .map_err(VerifyError::Source)?;
+                let t = aggregate(target, &qualified, &list, &range)
+                    .await
+                    .map_err(VerifyError::Target)?;
+                if s != t {
+                    narrower.push(range);
+                }
+            }
+        }
+        if narrower.is_empty() {
+            break;
+        }
+        ranges = narrower;
+    }
+    if ranges == ["true"] {
+        evidence
+            .diverging_ranges
+            .push("outside the source's key range (rows only on the target)".into());
+    } else {
+        evidence.diverging_ranges = ranges;
+    }
+    Ok(evidence)
+}
+
+/// Runs every check for `flow` and records the verdict in the target.
+pub async fn verify(
+    flow: &Flow,
+    source: &Client,
+    target: &Client,
+    only_table: Option<&str>,
+    config_path: &str,
+) -> Result<Verdict, VerifyError> {
+    source
+        .batch_execute(SESSION)
+        .await
+        .map_err(VerifyError::Source)?;
+    target
+        .batch_execute(SESSION)
+        .await
+        .map_err(VerifyError::Target)?;
+    let run = format!("trellara run --config {config_path}");
+    let mut divergences = Vec::new();
+    let mut tables = Vec::new();
+    for table in flow
+        .tables
+        .iter()
+        .filter(|t| only_table.is_none_or(|o| o == t.as_str()))
+    {
+        let e = verify_table(source, target, table).await?;
+        if e.source_rows != e.target_rows {
+            divergences.push(Divergence {
+                code: "ROW_COUNT_MISMATCH",
+                detail: format!(
+                    "{table}: source {} rows, target {}{}",
+                    e.source_rows,
+                    e.target_rows,
+                    ranges(&e)
+                ),
+                recovery: format!("{run}; if it persists: trellara reseed --config {config_path}"),
+            });
+        } else if e.source_checksum != e.target_checksum {
+            divergences.push(Divergence {
+                code: "CHECKSUM_MISMATCH",
+                detail: format!("{table}: same row count ({}), different content{}", e.source_rows, ranges(&e)),
+                recovery: format!("repair the named key range on the target or reseed: trellara reseed --config {config_path}"),
+            });
+        }
+        tables.push(e);
+    }
+
+    let checkpoint = target
+        .query_opt(
+            "SELECT end_lsn::text, transactions, duplicates_skipped FROM trellara.checkpoints WHERE flow = $1",
+            &[&flow.name],
+        )
+        .await
+        .map_err(VerifyError::Target)?;
+    let (watermark, transactions, duplicates) = match &checkpoint {
+        Some(r) => (Some(r.get::<_, String>(0)), r.get(1), r.get(2)),
+        None => (None, 0, 0),
+    };
+    // Watermark: nothing durable past the applier, nothing pending in the slot.
+    if let Some(dir) = flow.log_dir()
+        && dir.exists()
+    {
+        let (log, _) = Log::open(FsStorage::new(), dir, LogConfig::default())?;
+        let cursor = log
+            .cursor(&crate::apply::cursor_name(&flow.name))
+            .map_or(log.first_offset(), |c| c.next_offset);
+        if cursor < log.next_offset() {
+            divergences.push(Divergence {
+                code: "WATERMARK_BEHIND",
+                detail: format!(
+                    "{} captured transactions are not applied yet (log offsets {cursor}..{})",
+                    log.next_offset() - cursor,
+                    log.next_offset()
+                ),
+                recovery: run.clone(),
+            });
+        }
+    }
+    let pending = source
+        .query_opt(
+            "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1, NULL, 1, 'proto_version', '1', 'publication_names', $2)",
+            &[&flow.slot(), &flow.publication()],
+        )
+        .await;
+    match pending {
+        Ok(Some(r)) if r.get::<_, i64>(0) > 0 => divergences.push(Divergence {
+            code: "WATERMARK_BEHIND",
+            detail: format!(
+                "slot {} holds committed changes not yet captured",
+                flow.slot()
+            ),
+            recovery: run.clone(),
+        }),
+        // Active (a relay is streaming it) or missing: the log check stands.
+        _ => {}
+    }
+
+    let quarantined = target
+        .query(
+            "SELECT commit_lsn::text, reason FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn",
+            &[&flow.name],
+        )
+        .await
+        .map_err(VerifyError::Target)?;
+    for q in &quarantined {
+        divergences.push(Divergence {
+            code: "QUARANTINED",
+            detail: format!(
+                "transaction at {} is quarantined: {}",
+                q.get::<_, String>(0),
+                q.get::<_, String>(1)
+            ),
+            recovery: format!("fix the cause, then {run}"),
+        });
+    }
+
+    let snapshot = crate::snapshot::load(target, &flow.name)
+        .await
+        .ok()
+        .flatten();
+    let state = snapshot.as_ref().map(|s| s.state);
+    if !matches!(
+        state,
+        Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
+    ) {
+        divergences.push(Divergence {
+            code: "HANDOFF_INCOMPLETE",
+            detail: format!(
+                "the snapshot run is {}",
+                state.map_or("missing", SnapshotState::as_str)
+            ),
+            recovery: run.clone(),
+        });
+    }
+
+    let verdict = Verdict {
+        flow: flow.name.clone(),
+        result: if divergences.is_empty() {
+            "CONVERGED"
+        } else {
+            "DIVERGED"
+        },
+        tables,
+        divergences,
+        target_watermark: watermark,
+        snapshot_state: state.map(|s| s.as_str().to_owned()),
+        consistent_lsn: snapshot.and_then(|s| s.consistent_lsn.map(|l| l.to_string())),
+        transactions_applied: transactions,
+        duplicates_skipped: duplicates,
+    };
+    // Verification is a state transition as well as a report.
+    let next = match (state, verdict.converged()) {
+        (Some(SnapshotState::StreamHandoffReady), true) => Some(SnapshotState::Verified),
+        (Some(SnapshotState::Verified), false) => Some(SnapshotState::FailedRecoverable),
+        _ => None,
+    };
+    if let Some(next) = next {
+        let reason = (!verdict.converged()).then(|| {
+            verdict
+                .divergences
+                .iter()
+                .map(|d| d.code)
+                .collect::<Vec<_>>()
+                .join(", ")
+        });
+        crate::snapshot::transition(target, &flow.name, next, reason.as_deref())
+            .await
+            .map_err(|e| match e {
+                crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
+                other => VerifyError::BadTable(other.to_string()),
+            })?;
+    }
+    let evidence = serde_json::to_string(&verdict).unwrap_or_default();
+    target
+        .execute(
+            "INSERT INTO trellara.verify_runs (flow, verdict, evidence) VALUES ($1, $2, $3::text::jsonb)",
+            &[&flow.name, &verdict.result, &evidence],
+        )
+        .await
+        .map_err(VerifyError::Target)?;
+    Ok(verdict)
+}
+
+fn ranges(e: &TableEvidence) -> String {
+    if e.diverging_ranges.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; diverging key range(s): {}",
+            e.diverging_ranges.join(" | ")
+        )
+    }
+}
+
+pub fn render_text(v: &Verdict) -> String {
+    let mut out = String::new();
+    for t in &v.tables {
+        out.push_str(&format!(
+            "  {:<28} rows {} / {}  checksum {} / {}\n",
+            t.table, t.source_rows, t.target_rows, t.source_checksum, t.target_checksum
+        ));
+        for l in &t.limits {
+            out.push_str(&format!("    not checked: {l}\n"));
+        }
+    }
+    out.push_str(&format!(
+        "  watermark {}  snapshot {} (consistent LSN {})  applied {} transactions, {} duplicates skipped\n",
+        v.target_watermark.as_deref().unwrap_or("none"),
+        v.snapshot_state.as_deref().unwrap_or("none"),
+        v.consistent_lsn.as_deref().unwrap_or("-"),
+        v.transactions_applied,
+        v.duplicates_skipped
+    ));
+    for d in &v.divergences {
+        out.push_str(&format!(
+            "  {}: {}\n    recovery: {}\n",
+            d.code, d.detail, d.recovery
+        ));
+    }
+    out.push_str(&format!("{} {}\n", v.flow, v.result));
+    out
+}
