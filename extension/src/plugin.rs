@@ -123,6 +123,8 @@ struct State {
     /// Short-lived context for each change's PostgreSQL allocations.
     change_cx: pg_sys::MemoryContext,
     spill_dir: PathBuf,
+    /// The running server's `server_version_num` (not the headers' at build time).
+    server_version_num: u32,
     skipped_nontransactional_messages: u64,
     frame: Vec<u8>,
 }
@@ -274,6 +276,20 @@ unsafe fn startup(
     };
     // SAFETY: DataDir is the backend's data directory, set at startup.
     let data_dir = unsafe { owned_str(pg_sys::DataDir, "data directory") }?;
+    // SAFETY: a GUC lookup (no catalog access); the result is NULL or a
+    // NUL-terminated string owned by the GUC machinery, copied at once.
+    let server_version_num = unsafe {
+        let value = pg_sys::GetConfigOption(c"server_version_num".as_ptr(), true, false);
+        if value.is_null() {
+            None
+        } else {
+            CStr::from_ptr(value)
+                .to_str()
+                .ok()
+                .and_then(|v| v.parse().ok())
+        }
+    }
+    .unwrap_or(pg_sys::PG_VERSION_NUM);
     let state = Box::new(State {
         options,
         source: None,
@@ -282,6 +298,7 @@ unsafe fn startup(
         txn: None,
         change_cx,
         spill_dir: PathBuf::from(data_dir).join("base").join("pgsql_tmp"),
+        server_version_num,
         skipped_nontransactional_messages: 0,
         frame: Vec::new(),
     });
@@ -785,7 +802,7 @@ unsafe fn commit(
         origin,
         capture: Some(Capture {
             path: capture::Path::Native as i32,
-            server_version_num: pg_sys::PG_VERSION_NUM,
+            server_version_num: state.server_version_num,
             decoder: DECODER.into(),
             captured_at_micros: now.saturating_add(PG_EPOCH_OFFSET_MICROS),
         }),
