@@ -402,7 +402,7 @@ pub async fn verify(
         });
     }
 
-    let verdict = Verdict {
+    let mut verdict = Verdict {
         flow: flow.name.clone(),
         result: if divergences.is_empty() {
             "CONVERGED"
@@ -438,6 +438,7 @@ pub async fn verify(
                 crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
                 other => VerifyError::BadTable(other.to_string()),
             })?;
+        verdict.snapshot_state = Some(next.as_str().to_owned());
     }
     let evidence = serde_json::to_string(&verdict).unwrap_or_default();
     target

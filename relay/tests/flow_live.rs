@@ -1,0 +1,386 @@
+//! The verified flow end to end with the `trellara` binary on every major:
+//! init, check, preflight, run --local --verify ending at CONVERGED; a
+//! second round after more writes; a concurrent reader that never sees a
+//! half-applied transaction; a constraint violation quarantined, repaired
+//! and replayed; a target row changed behind Trellara's back named by verify
+//! with its key range; redelivery after a crash between target commit and
+//! cursor move skipped and counted.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use trellara_tests::{Cluster, ClusterOptions, Major, test_cluster};
+
+const SCHEMA: &str = "
+CREATE TABLE public.orders (id bigint PRIMARY KEY, customer text NOT NULL, total numeric(12,2) NOT NULL);
+CREATE TABLE public.line_items (order_id bigint NOT NULL, line int NOT NULL, qty int NOT NULL, price numeric(12,2) NOT NULL, note text, PRIMARY KEY (order_id, line));
+";
+
+/// `n` orders from `first`, each with its line items, one transaction each.
+fn workload(cluster: &Cluster, first: i64, n: i64) {
+    let mut client = cluster.connect();
+    for o in first..first + n {
+        let mut tx = client.transaction().expect("begin");
+        let lines = 1 + o % 4;
+        let mut total = 0i64;
+        for l in 1..=lines {
+            let (qty, price) = (1 + (o + l) % 3, 100 + (o * 7 + l) % 900);
+            total += qty * price;
+            tx.execute(
+                "INSERT INTO public.line_items VALUES ($1, $2::int, $3::int, $4::text::numeric / 100, repeat('n', 3))",
+                &[&o, &(l as i32), &(qty as i32), &price.to_string()],
+            )
+            .expect("line");
+        }
+        tx.execute(
+            "INSERT INTO public.orders VALUES ($1, 'c' || $1::bigint::text, $2::text::numeric / 100)",
+            &[&o, &total.to_string()],
+        )
+        .expect("order");
+        tx.commit().expect("commit");
+    }
+}
+
+fn trellara(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("run trellara")
+}
+
+fn ok(out: &Output, what: &str) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+struct Pair {
+    source: Cluster,
+    target: Cluster,
+    dir: tempfile::TempDir,
+}
+
+fn pair(major: Major) -> Option<Pair> {
+    let source = test_cluster(major, &ClusterOptions::new())?;
+    let target = test_cluster(major, &ClusterOptions::new())?;
+    source.psql(SCHEMA);
+    target.psql(SCHEMA);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = trellara(
+        dir.path(),
+        &[
+            "init",
+            "--source-database-url",
+            &source.connection_string("postgres"),
+            "--target-database-url",
+            &target.connection_string("postgres"),
+            "--table",
+            "public.orders",
+            "--table",
+            "public.line_items",
+            "--flow",
+            "shop",
+            "--evaluate",
+        ],
+    );
+    ok(&out, "init");
+    Some(Pair {
+        source,
+        target,
+        dir,
+    })
+}
+
+#[test]
+fn public_loop_pg15() {
+    public_loop(Major::Pg15);
+}
+
+#[test]
+fn public_loop_pg16() {
+    public_loop(Major::Pg16);
+}
+
+#[test]
+fn public_loop_pg17() {
+    public_loop(Major::Pg17);
+}
+
+#[test]
+fn public_loop_pg18() {
+    public_loop(Major::Pg18);
+}
+
+fn public_loop(major: Major) {
+    let Some(p) = pair(major) else { return };
+    workload(&p.source, 1, 50);
+    let d = p.dir.path();
+    assert!(
+        ok(
+            &trellara(d, &["check", "--config", "trellara.yml"]),
+            "check"
+        )
+        .contains("valid")
+    );
+    let pre = ok(
+        &trellara(d, &["preflight", "--config", "trellara.yml"]),
+        "preflight",
+    );
+    assert!(
+        pre.contains("READY") && pre.contains("nothing was created"),
+        "{pre}"
+    );
+    assert_eq!(
+        p.source
+            .psql_value("SELECT count(*) FROM pg_replication_slots"),
+        "0",
+        "preflight creates nothing"
+    );
+    let first = ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "run",
+    );
+    assert!(first.contains("shop CONVERGED"), "{major}: {first}");
+    assert!(
+        first.contains("copied public.line_items"),
+        "{major}: {first}"
+    );
+
+    // More writes, applied while a reader checks every order against its
+    // line items: a half-applied transaction would show a mismatch.
+    workload(&p.source, 51, 150);
+    let stop = Arc::new(AtomicBool::new(false));
+    let reads = Arc::new(AtomicU64::new(0));
+    let reader = {
+        let (stop, reads) = (Arc::clone(&stop), Arc::clone(&reads));
+        let url = p.target.connection_string("postgres");
+        std::thread::spawn(move || {
+            let mut c = postgres::Client::connect(&url, postgres::NoTls).expect("reader");
+            let mut torn = 0i64;
+            while !stop.load(Ordering::Relaxed) {
+                let row = c
+                    .query_one(
+                        "SELECT count(*) FROM public.orders o
+                         WHERE o.total <> (SELECT coalesce(sum(qty * price), 0) FROM public.line_items l WHERE l.order_id = o.id)",
+                        &[],
+                    )
+                    .expect("read");
+                torn += row.get::<_, i64>(0);
+                reads.fetch_add(1, Ordering::Relaxed);
+            }
+            torn
+        })
+    };
+    let second = ok(
+        &trellara(
+            d,
+            &[
+                "run",
+                "--config",
+                "trellara.yml",
+                "--local",
+                "--verify",
+                "--format",
+                "json",
+            ],
+        ),
+        "run",
+    );
+    stop.store(true, Ordering::Relaxed);
+    assert_eq!(
+        reader.join().expect("reader"),
+        0,
+        "{major}: a reader saw a half-applied transaction"
+    );
+    assert!(reads.load(Ordering::Relaxed) > 0);
+    let verdicts: serde_json::Value = serde_json::from_str(&second).expect("json verdict");
+    assert_eq!(verdicts[0]["result"], "CONVERGED", "{major}: {second}");
+    assert_eq!(verdicts[0]["transactions_applied"], 150);
+    assert_eq!(
+        verdicts[0]["snapshot_state"], "verified",
+        "verify promoted the run"
+    );
+
+    let status = ok(
+        &trellara(
+            d,
+            &["status", "--config", "trellara.yml", "--format", "json"],
+        ),
+        "status",
+    );
+    let status: serde_json::Value = serde_json::from_str(&status).expect("json status");
+    assert_eq!(status[0]["last_verify"]["verdict"], "CONVERGED");
+}
+
+#[test]
+fn quarantine_repair_and_replay() {
+    let Some(p) = pair(Major::Pg17) else { return };
+    let d = p.dir.path();
+    workload(&p.source, 1, 5);
+    ok(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        "run",
+    );
+    // The target refuses what the source accepts.
+    p.target
+        .psql("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (total < 5) NOT VALID");
+    workload(&p.source, 6, 3);
+    let out = trellara(d, &["run", "--config", "trellara.yml", "--local"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("quarantined")
+            && err.contains("small")
+            && err.contains("trellara run --config"),
+        "{err}"
+    );
+    let verify = trellara(d, &["verify", "--config", "trellara.yml"]);
+    assert_eq!(verify.status.code(), Some(1), "diverged");
+    assert!(String::from_utf8_lossy(&verify.stdout).contains("QUARANTINED"));
+    let status = ok(
+        &trellara(d, &["status", "--config", "trellara.yml"]),
+        "status",
+    );
+    assert!(status.contains("quarantine  1 open"), "{status}");
+    // Nothing of the quarantined transaction is visible, nothing after it applied.
+    assert_eq!(
+        p.target.psql_value("SELECT count(*) FROM public.orders"),
+        "5"
+    );
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM public.line_items WHERE order_id > 5"),
+        "0"
+    );
+
+    p.target
+        .psql("ALTER TABLE public.orders DROP CONSTRAINT small");
+    let again = ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "replay",
+    );
+    assert!(again.contains("shop CONVERGED"), "{again}");
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM trellara.quarantine WHERE resolved_at IS NOT NULL"),
+        "1"
+    );
+}
+
+#[test]
+fn verify_names_a_row_changed_behind_its_back() {
+    let Some(p) = pair(Major::Pg16) else { return };
+    let d = p.dir.path();
+    workload(&p.source, 1, 400);
+    ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "run",
+    );
+    p.target
+        .psql("UPDATE public.line_items SET qty = qty + 1 WHERE order_id = 321 AND line = 1");
+    let out = trellara(
+        d,
+        &["verify", "--config", "trellara.yml", "--format", "json"],
+    );
+    assert_eq!(out.status.code(), Some(1), "diverged");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let divergences = v[0]["divergences"].as_array().expect("divergences");
+    assert_eq!(divergences.len(), 1, "{v}");
+    assert_eq!(divergences[0]["code"], "CHECKSUM_MISMATCH");
+    let ranges = v[0]["tables"][1]["diverging_ranges"]
+        .as_array()
+        .expect("ranges");
+    assert_eq!(ranges.len(), 1, "narrowed to one key range: {ranges:?}");
+    let range = ranges[0].as_str().expect("text");
+    // The named range brackets the changed key and is narrow.
+    let lo: i64 = range
+        .split("ROW('")
+        .nth(1)
+        .and_then(|s| s.split('\'').next())
+        .and_then(|s| s.parse().ok())
+        .expect("lower key");
+    let hi: i64 = range
+        .split("ROW('")
+        .nth(2)
+        .and_then(|s| s.split('\'').next())
+        .and_then(|s| s.parse().ok())
+        .expect("upper key");
+    assert!(lo <= 321 && 321 <= hi && hi - lo < 20, "{range}");
+    assert_eq!(
+        v[0]["snapshot_state"], "failed_recoverable",
+        "verified was demoted on new evidence"
+    );
+}
+
+#[test]
+fn redelivery_after_commit_before_cursor_is_skipped_and_counted() {
+    let Some(p) = pair(Major::Pg18) else { return };
+    let d = p.dir.path();
+    workload(&p.source, 1, 5);
+    ok(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        "run",
+    );
+    workload(&p.source, 6, 20);
+    ok(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        "run",
+    );
+    // The state a crash leaves between the target commit and the cursor
+    // move: the target has everything, the cursor says nothing was applied.
+    let log_dir = d.join(".trellara/log");
+    {
+        let (log, _) = trellara_relay::log::Log::open(
+            trellara_relay::log::storage::FsStorage::new(),
+            &log_dir,
+            trellara_relay::log::LogConfig::default(),
+        )
+        .expect("open log");
+        log.commit_cursor(
+            &trellara_relay::apply::cursor_name("shop"),
+            trellara_relay::log::CursorPosition::start_at(log.first_offset()),
+        )
+        .expect("rewind");
+    }
+    let out = ok(
+        &trellara(
+            d,
+            &[
+                "run",
+                "--config",
+                "trellara.yml",
+                "--local",
+                "--verify",
+                "--format",
+                "json",
+            ],
+        ),
+        "rerun",
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v[0]["result"], "CONVERGED", "{out}");
+    assert_eq!(
+        v[0]["duplicates_skipped"], 20,
+        "every redelivered transaction skipped and counted"
+    );
+    assert_eq!(
+        p.target.psql_value("SELECT count(*) FROM public.orders"),
+        "25"
+    );
+}
