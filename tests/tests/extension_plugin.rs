@@ -773,6 +773,32 @@ fn live(major: Major) {
         err.contains("DELETE from public.nokey carries no old key"),
         "{major}: {err}"
     );
+
+    // After all that (including ERRORs mid-decoding): no backend crashed, the
+    // skipped non-transactional message was counted, no spill file is left.
+    assert_eq!(cluster.psql_value("SELECT 1"), "1");
+    let log = cluster.log_contents();
+    assert!(
+        !log.contains("terminated by signal") && !log.contains("PANIC"),
+        "{major}: server log shows a crash:\n{log}"
+    );
+    assert!(
+        log.contains("trellara: skipped 1 non-transactional logical message(s)"),
+        "{major}: skipped messages are counted in the log"
+    );
+    let tmp = cluster.data_dir().join("base").join("pgsql_tmp");
+    let spill_files = std::fs::read_dir(&tmp)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with("trellara_spill")
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    assert_eq!(spill_files, 0, "{major}: spill files are unlinked");
 }
 
 /// The same plugin under a walsender (`pg_recvlogical`, START_REPLICATION
