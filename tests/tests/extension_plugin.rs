@@ -912,10 +912,18 @@ fn types(major: Major) {
             "INSERT INTO typed (id) VALUES (2)",
             "INSERT INTO parted VALUES (5, 'low'), (150, 'high')",
             "UPDATE parted SET v = 'low2' WHERE k = 5",
+            "BEGIN; INSERT INTO parted VALUES (10, 'kept'); SAVEPOINT a; \
+             INSERT INTO parted VALUES (11, 'rolled back'); ROLLBACK TO a; \
+             SAVEPOINT b; INSERT INTO parted VALUES (12, 'released'); RELEASE b; COMMIT",
+            "BEGIN; INSERT INTO parted VALUES (13, 'aborted'); ROLLBACK",
         ],
     );
     let read = read_slot(&cluster, "pg_logical_slot_get_binary_changes", &[]);
-    assert_eq!(read.envelopes.len(), 4, "{major}: four transactions");
+    assert_eq!(
+        read.envelopes.len(),
+        5,
+        "{major}: five committed transactions (the aborted one emits nothing)"
+    );
 
     let columns: Vec<String> = cluster
         .psql(
@@ -956,4 +964,11 @@ fn types(major: Major) {
     assert_eq!(update.before_kind, BeforeImage::Full as i32);
     assert_eq!(update.before, [text("5"), text("low")]);
     assert_eq!(update.after, [text("5"), text("low2")]);
+
+    // Subtransactions: the rolled-back one is gone, the released one kept.
+    let kept: Vec<&Value> = rows_of(&read.envelopes[4])
+        .iter()
+        .map(|r| &r.after[1])
+        .collect();
+    assert_eq!(kept, [&text("kept"), &text("released")]);
 }
