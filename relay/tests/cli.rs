@@ -92,13 +92,14 @@ fn missing_directory_is_named() {
 #[test]
 fn unbuilt_commands_say_so() {
     for cmd in [
-        "init",
-        "run",
-        "verify",
-        "check",
-        "preflight",
-        "status",
+        "fleet",
+        "lake",
+        "config",
         "chaos",
+        "reseed",
+        "repair-plan",
+        "stream",
+        "semantics",
     ] {
         let out = trellara(&[cmd, "--config", "trellara.yml"]);
         assert_eq!(out.status.code(), Some(1), "{cmd}");
@@ -108,4 +109,63 @@ fn unbuilt_commands_say_so() {
             "{cmd}: {err}"
         );
     }
+}
+
+#[test]
+fn config_errors_name_the_file_and_the_fix() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_trellara"))
+            .current_dir(dir.path())
+            .args(args)
+            .output()
+            .expect("run trellara")
+    };
+    let out = run(&["run", "--config", "missing.yml"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("trellara init"));
+    std::fs::write(
+        dir.path().join("bad.yml"),
+        "schema_version: 2\nenvironment: production\nflows:\n  - name: x\n    source: {url: postgresql://u@h/db}\n    target: {url_env: T}\n    tables: [sales]\n",
+    )
+    .expect("write");
+    let out = run(&["check", "--config", "bad.yml", "--format", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let fields: Vec<&str> = report["issues"]
+        .as_array()
+        .expect("issues")
+        .iter()
+        .filter_map(|i| i["field"].as_str())
+        .collect();
+    assert_eq!(fields, ["flows[0].source.url", "flows[0].tables[0]"]);
+    let out = run(&[
+        "init",
+        "--source-database-url",
+        "postgresql://u@h/db",
+        "--target-database-url",
+        "postgresql://u@h/t",
+        "--table",
+        "public.sales",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let written = std::fs::read_to_string(dir.path().join("trellara.yml")).expect("written");
+    assert!(
+        written.contains("url_env: TRELLARA_SOURCE_DATABASE_URL") && !written.contains("u@h"),
+        "production config holds references only: {written}"
+    );
+    let again = run(&[
+        "init",
+        "--source-database-url",
+        "x",
+        "--target-database-url",
+        "y",
+        "--table",
+        "public.sales",
+    ]);
+    assert_eq!(again.status.code(), Some(1), "refuses to overwrite");
 }

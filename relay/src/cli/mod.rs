@@ -63,6 +63,18 @@ pub enum Command {
     /// Run the failure matrix.
     #[command(hide = true)]
     Chaos(NotBuilt),
+    /// Re-enter the snapshot state machine for a destination past retention.
+    #[command(hide = true)]
+    Reseed(NotBuilt),
+    /// Name what is blocked and the commands that unblock it.
+    #[command(hide = true, name = "repair-plan")]
+    RepairPlan(NotBuilt),
+    /// Stream position tools (locate-local).
+    #[command(hide = true)]
+    Stream(NotBuilt),
+    /// Observe the target while a flow applies: was anything half-applied?
+    #[command(hide = true)]
+    Semantics(NotBuilt),
 }
 
 /// Arguments of a command that has not landed yet: accepted, then refused
@@ -102,9 +114,19 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Lake(_) => ("lake", "the fleet fan-in issue"),
         Command::Config(_) => ("config", "issue 5 (config schema v2)"),
         Command::Chaos(_) => ("chaos", "issue 7 (the failure matrix)"),
+        Command::Reseed(_) => (
+            "reseed",
+            "issue 5 part 3 (reseed re-enters the snapshot machine; today a failed_recoverable run is re-planned by `trellara run`)",
+        ),
+        Command::RepairPlan(_) => (
+            "repair-plan",
+            "issue 5 part 5 (today: `trellara status` lists each quarantined transaction with its recovery)",
+        ),
+        Command::Stream(_) => ("stream", "issue 5 part 3 (stream locate-local)"),
+        Command::Semantics(_) => ("semantics", "issue 5 part 5"),
     };
     anyhow::bail!(
         "`trellara {name}` is not built yet; it arrives with {issue}.\n\
-         hint: what works today is the durable segment log (`trellara log inspect --dir DIR`); see README.md"
+         hint: see docs/CLI.md for what is built"
     )
 }
