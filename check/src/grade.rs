@@ -379,10 +379,10 @@ pub fn evaluate(facts: &mut Facts) -> Evaluation {
         Some("logical") | None => {}
         Some(level) => {
             let action = match &s.provider_logical_switch {
-                Some((name, _)) if name.starts_with("rds.") => {
+                Some(x) if x.name.starts_with("rds.") => {
                     "set rds.logical_replication = 1 in the DB parameter group, then reboot the instance".to_string()
                 }
-                Some((name, _)) => format!("set the {name} flag to on, then restart the instance"),
+                Some(x) => format!("set the {} flag to on, then restart the instance", x.name),
                 None => "ALTER SYSTEM SET wal_level = logical; -- then restart PostgreSQL".to_string(),
             };
             out.add(
@@ -726,8 +726,9 @@ pub fn evaluate(facts: &mut Facts) -> Evaluation {
             );
         }
         if t.kind == "partitioned table" {
-            for (p, via_root) in &t.publications {
-                if !via_root {
+            for publication in &t.publications {
+                let p = &publication.name;
+                if !publication.via_partition_root {
                     out.add(
                         "W13",
                         subject.clone(),
@@ -875,11 +876,13 @@ fn failover(facts: &Facts, out: &mut Findings) -> Failover {
         .iter()
         .filter(|x| x.slot_type == "logical" && x.state != SlotState::Invalidated)
         .collect();
-    let active_physical = facts
+    let physical_names: Vec<String> = facts
         .slots
         .iter()
         .filter(|x| x.slot_type == "physical" && x.state == SlotState::Active)
-        .count();
+        .map(|x| x.name.clone())
+        .collect();
+    let active_physical = physical_names.len();
     let enabled: Vec<String> = live_logical
         .iter()
         .filter(|x| x.failover == Some(true))
@@ -930,6 +933,7 @@ fn failover(facts: &Facts, out: &mut Findings) -> Failover {
             .settings
             .standby_slots_setting
             .clone()
+            .map(|x| (x.name, x.value))
             .unwrap_or_else(|| ("synchronized_standby_slots".into(), String::new()));
         if live_logical.is_empty() {
             summary = "supported · no logical slots yet (create them with failover = true)".into();
@@ -989,8 +993,16 @@ fn failover(facts: &Facts, out: &mut Findings) -> Failover {
                     "W10",
                     Some(format!("slot {name}")),
                     format!("failover = true but {setting_name} is empty: synchronization to a standby is not confirmed before the consumer sees changes"),
-                    Some(format!("ALTER SYSTEM SET {setting_name} = '<standby physical slot>'; SELECT pg_reload_conf();")),
+                    Some(format!(
+                        "ALTER SYSTEM SET {setting_name} = '{}'; SELECT pg_reload_conf();",
+                        physical_names.join(", ").replace('\'', "''")
+                    )),
                 );
+            } else {
+                guidance.push(format!(
+                    "failover slot {name}: {setting_name} = {setting_value}, and standbys stream through {}; synced = true on the standby confirms the synchronization (the primary cannot see the standby's sync_replication_slots)",
+                    physical_names.join(", ")
+                ));
             }
         }
     }
@@ -1104,6 +1116,24 @@ mod tests {
         assert_eq!(g.letter, 'F');
         assert_eq!(g.score, 60);
         assert!(g.capped_by_critical);
+    }
+
+    #[test]
+    fn docs_list_every_rule() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/CHECK.md");
+        let doc = std::fs::read_to_string(path).expect("docs/CHECK.md");
+        for r in RULES {
+            let row = format!(
+                "| {} | `{}` | {} | {} | {} | {} |",
+                r.id,
+                r.name,
+                r.severity.as_str(),
+                r.points,
+                r.cap,
+                r.when
+            );
+            assert!(doc.contains(&row), "docs/CHECK.md lacks the row\n{row}");
+        }
     }
 
     #[test]

@@ -17,8 +17,8 @@
 
 use crate::CheckError;
 use crate::report::{
-    Conflicts, Facts, Identity, Publication, RoleAccess, Server, Settings, Slot, SlotState,
-    TableReadiness, Tables, Unknown, Usage, Wal,
+    Conflicts, Facts, Identity, NamedSetting, Publication, RoleAccess, Server, Settings, Slot,
+    SlotState, TablePublication, TableReadiness, Tables, Unknown, Usage, Wal,
 };
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -481,10 +481,20 @@ async fn read_settings(
     };
     let standby_slots_setting = ["synchronized_standby_slots", "standby_slot_names"]
         .into_iter()
-        .find_map(|n| get(n).map(|v| (n.to_owned(), v)));
+        .find_map(|n| {
+            get(n).map(|value| NamedSetting {
+                name: n.to_owned(),
+                value,
+            })
+        });
     let provider_logical_switch = ["rds.logical_replication", "cloudsql.logical_decoding"]
         .into_iter()
-        .find_map(|n| get(n).map(|v| (n.to_owned(), v)));
+        .find_map(|n| {
+            get(n).map(|value| NamedSetting {
+                name: n.to_owned(),
+                value,
+            })
+        });
     let settings = Settings {
         wal_level: get("wal_level"),
         max_slot_wal_keep_size_mb: mb("max_slot_wal_keep_size"),
@@ -692,7 +702,12 @@ async fn read_tables(
             match s.probe("partition publications", &sql).await? {
                 Probe::Rows(rows) => rows
                     .iter()
-                    .filter_map(|p| Some((text(p, "pubname")?, boolean(p, "pubviaroot")?)))
+                    .filter_map(|p| {
+                        Some(TablePublication {
+                            name: text(p, "pubname")?,
+                            via_partition_root: boolean(p, "pubviaroot")?,
+                        })
+                    })
                     .collect(),
                 Probe::Denied(why) => {
                     unknowns.push(Unknown {

@@ -165,11 +165,25 @@ pub struct Settings {
     pub has_output_plugin_libraries: Option<bool>,
     pub sync_replication_slots: Option<String>,
     /// `synchronized_standby_slots` (or `standby_slot_names`) and its value.
-    pub standby_slots_setting: Option<(String, String)>,
+    pub standby_slots_setting: Option<NamedSetting>,
     pub hot_standby_feedback: Option<String>,
     /// Managed-provider switch for logical decoding, when present
     /// (`rds.logical_replication`, `cloudsql.logical_decoding`).
-    pub provider_logical_switch: Option<(String, String)>,
+    pub provider_logical_switch: Option<NamedSetting>,
+}
+
+/// A setting whose name differs across versions or providers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NamedSetting {
+    pub name: String,
+    pub value: String,
+}
+
+/// A publication covering a partitioned table (or its partitions).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TablePublication {
+    pub name: String,
+    pub via_partition_root: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -203,7 +217,7 @@ pub struct TableReadiness {
     pub toastable_non_key_columns: Vec<String>,
     /// Publications covering the table (or its partitions) and their
     /// `publish_via_partition_root`.
-    pub publications: Vec<(String, bool)>,
+    pub publications: Vec<TablePublication>,
     pub can_select: bool,
     pub estimated_rows: Option<i64>,
 }
@@ -731,6 +745,9 @@ pub fn render_text(report: &Report) -> String {
                     .map(|p| format!(", {p}"))
                     .unwrap_or_default(),
                 match x.state {
+                    SlotState::Active if x.synced == Some(true) => {
+                        "synced from the primary (held by the slot sync worker)".to_string()
+                    }
                     SlotState::Active => "active".to_string(),
                     SlotState::Stalled => match x.inactive_seconds {
                         Some(s) => format!("stalled {}", duration(s)),
@@ -792,7 +809,7 @@ pub fn render_text(report: &Report) -> String {
                         " · publications {}",
                         t.publications
                             .iter()
-                            .map(|(p, root)| format!("{p} (via root {root})"))
+                            .map(|p| format!("{} (via root {})", p.name, p.via_partition_root))
                             .collect::<Vec<_>>()
                             .join(", ")
                     )
@@ -969,7 +986,7 @@ code{{background:#f4f4f4;padding:0 .2em}}footer{{margin-top:2em;color:#555}}\
             e(&t.toastable_non_key_columns.join(", ")),
             e(&t.publications
                 .iter()
-                .map(|(p, r)| format!("{p} (via root {r})"))
+                .map(|p| format!("{} (via root {})", p.name, p.via_partition_root))
                 .collect::<Vec<_>>()
                 .join(", "))
         );

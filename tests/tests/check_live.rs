@@ -413,7 +413,13 @@ fn live(major: Major) {
     assert!(finding(&report, "W14", "public.scratch").is_some());
     let parts = table("public.measurements");
     assert_eq!(parts.kind, "partitioned table");
-    assert_eq!(parts.publications, [("pub_parts".to_string(), false)]);
+    assert_eq!(
+        parts.publications,
+        [trellara_check::report::TablePublication {
+            name: "pub_parts".into(),
+            via_partition_root: false
+        }]
+    );
     assert!(
         finding(&report, "W13", "public.measurements").is_some(),
         "{text}"
