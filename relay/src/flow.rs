@@ -101,6 +101,24 @@ pub fn urls(flow: &Flow, index: usize) -> Result<(String, String), FlowError> {
     Ok((source, target))
 }
 
+/// Marks the flow's snapshot run failed_recoverable so the next round
+/// re-plans it: a new slot, a new consistent LSN, every table copied again.
+pub async fn request_reseed(flow: &Flow, index: usize, reason: &str) -> Result<(), FlowError> {
+    let (_, target_url) = urls(flow, index)?;
+    let target = connect(&target_url, "target").await?;
+    state::ensure(&target).await?;
+    if snapshot::load(&target, &flow.name).await?.is_some() {
+        snapshot::transition(
+            &target,
+            &flow.name,
+            SnapshotState::FailedRecoverable,
+            Some(reason),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 /// One round: snapshot if needed, capture until caught up, apply.
 pub async fn run_once(
     flow: &Flow,
@@ -187,7 +205,25 @@ pub async fn run_once(
     let caught_up = async move {
         let _ = rx.wait_for(|durable| *durable >= goal).await;
     };
-    let stats = capture::run(config, caught_up).await?;
+    let stats = match capture::run(config, caught_up).await {
+        Ok(stats) => stats,
+        Err(
+            err @ (capture::CaptureError::Invalidated { .. }
+            | capture::CaptureError::SlotAhead { .. }),
+        ) => {
+            // The stream cannot continue from where the target stands: the
+            // run is recoverable only by a new snapshot (reseed).
+            snapshot::transition(
+                &target,
+                &flow.name,
+                SnapshotState::FailedRecoverable,
+                Some(&err.to_string()),
+            )
+            .await?;
+            return Err(err.into());
+        }
+        Err(err) => return Err(err.into()),
+    };
     report.envelopes_captured = stats.envelopes;
     report.capture_duplicates_skipped = stats.duplicates_skipped;
     report.caught_up_to = Some(goal);

@@ -384,3 +384,179 @@ fn redelivery_after_commit_before_cursor_is_skipped_and_counted() {
         "25"
     );
 }
+
+#[test]
+fn writes_during_the_snapshot_leave_no_gap_and_no_duplicate() {
+    let Some(p) = pair(Major::Pg15) else { return };
+    let d = p.dir.path();
+    workload(&p.source, 1, 300);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let stop = Arc::clone(&stop);
+        let url = p.source.connection_string("postgres");
+        std::thread::spawn(move || {
+            let mut c = postgres::Client::connect(&url, postgres::NoTls).expect("writer");
+            let mut id = 10_000i64;
+            while !stop.load(Ordering::Relaxed) {
+                c.execute("INSERT INTO public.orders VALUES ($1, 'live', 0)", &[&id])
+                    .expect("insert");
+                id += 1;
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            id - 10_000
+        })
+    };
+    let first = trellara(d, &["run", "--config", "trellara.yml", "--local"]);
+    stop.store(true, Ordering::Relaxed);
+    let written = writer.join().expect("writer");
+    ok(&first, "run during writes");
+    assert!(written > 0);
+    let out = ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "catch up",
+    );
+    assert!(out.contains("shop CONVERGED"), "{out}");
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM public.orders WHERE customer = 'live'"),
+        written.to_string()
+    );
+}
+
+#[test]
+fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges() {
+    let Some(p) = pair(Major::Pg17) else { return };
+    let d = p.dir.path();
+    workload(&p.source, 1, 3);
+    ok(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        "run",
+    );
+    // One large source transaction: its apply takes a while.
+    p.source.psql("INSERT INTO public.line_items SELECT 1000000 + g, 1, 1, 1, 'big' FROM generate_series(1, 40000) g");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["run", "--config", "trellara.yml", "--local"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn run");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        // The applier's target transaction is open and has written rows.
+        let busy = p.target.psql_value(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = 'postgres' AND state IN ('active', 'idle in transaction') AND query LIKE 'INSERT INTO \"public\".\"line_items\"%'",
+        );
+        if busy != "0" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the apply never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    child.wait().expect("reap");
+    // The target shows none of the interrupted transaction.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while p
+        .target
+        .psql_value("SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction'")
+        != "0"
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the killed session's transaction never ended"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM public.line_items WHERE note = 'big'"),
+        "0"
+    );
+    let out = ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "rerun",
+    );
+    assert!(out.contains("shop CONVERGED"), "{out}");
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM public.line_items WHERE note = 'big'"),
+        "40000"
+    );
+}
+
+#[test]
+fn reseed_repair_plan_and_locate_local() {
+    let Some(p) = pair(Major::Pg18) else { return };
+    let d = p.dir.path();
+    workload(&p.source, 1, 30);
+    ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "run",
+    );
+    let here = ok(
+        &trellara(
+            d,
+            &[
+                "stream",
+                "locate-local",
+                "--config",
+                "trellara.yml",
+                "--format",
+                "json",
+            ],
+        ),
+        "locate-local",
+    );
+    let here: serde_json::Value = serde_json::from_str(&here).expect("json");
+    assert_eq!(here[0]["present"], true, "{here}");
+
+    p.target.psql("DELETE FROM public.orders WHERE id <= 10");
+    let verify = trellara(d, &["verify", "--config", "trellara.yml"]);
+    assert_eq!(verify.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&verify.stdout).contains("ROW_COUNT_MISMATCH"));
+    let plan = ok(
+        &trellara(d, &["repair-plan", "--config", "trellara.yml"]),
+        "repair-plan",
+    );
+    assert!(
+        plan.contains("failed_recoverable") && plan.contains("trellara reseed --config"),
+        "{plan}"
+    );
+    let out = ok(
+        &trellara(d, &["reseed", "--config", "trellara.yml", "--verify"]),
+        "reseed",
+    );
+    assert!(
+        out.contains("re-planning") && out.contains("shop CONVERGED"),
+        "{out}"
+    );
+    assert_eq!(
+        p.source
+            .psql_value("SELECT count(*) FROM pg_replication_slots"),
+        "1",
+        "the old slot was replaced, not leaked"
+    );
+    let plan = ok(
+        &trellara(d, &["repair-plan", "--config", "trellara.yml"]),
+        "repair-plan",
+    );
+    assert!(plan.contains("nothing is blocked"), "{plan}");
+}

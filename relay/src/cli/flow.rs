@@ -547,3 +547,172 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
         ExitCode::SUCCESS
     })
 }
+
+#[derive(Debug, clap::Args)]
+pub struct ReseedArgs {
+    #[arg(long, default_value = "trellara.yml")]
+    config: PathBuf,
+    #[arg(long)]
+    flow: Option<String>,
+    /// End with `verify` and its exit status.
+    #[arg(long)]
+    verify: bool,
+    #[arg(long, value_enum, default_value_t)]
+    format: Format,
+}
+
+/// Re-snapshot: marks the run failed_recoverable (with the reason) and runs
+/// the machine again from planned, then catches up and applies.
+pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
+    let config = config::load(&args.config)?;
+    let config_path = args.config.display().to_string();
+    let rt = runtime()?;
+    for (index, f) in flows(&config, args.flow.as_deref())? {
+        rt.block_on(flow::request_reseed(
+            f,
+            index,
+            "reseed requested by the operator",
+        ))?;
+        let mut progress = |line: &str| println!("[{}] {line}", f.name);
+        rt.block_on(flow::run_once(f, index, &config_path, &mut progress))
+            .with_context(|| format!("reseed flow {}", f.name))?;
+    }
+    if args.verify {
+        return verify_flows(
+            &config,
+            &config_path,
+            args.flow.as_deref(),
+            None,
+            args.format,
+            &rt,
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StreamArgs {
+    #[command(subcommand)]
+    command: StreamCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum StreamCommand {
+    /// Is the position each consumer needs still in the durable log?
+    LocateLocal {
+        #[arg(long, default_value = "trellara.yml")]
+        config: PathBuf,
+        #[arg(long, value_enum, default_value_t)]
+        format: Format,
+    },
+}
+
+pub fn stream(args: StreamArgs) -> anyhow::Result<ExitCode> {
+    let StreamCommand::LocateLocal { config, format } = args.command;
+    let config = config::load(&config)?;
+    let mut out = Vec::new();
+    let mut all_present = true;
+    for (_, f) in flows(&config, None)? {
+        let Some(dir) = f.log_dir() else { continue };
+        if !dir.exists() {
+            out.push(
+                json!({"flow": f.name, "log": dir.display().to_string(), "present": false,
+                "detail": "no durable log yet", "recovery": "trellara run --config ..."}),
+            );
+            all_present = false;
+            continue;
+        }
+        let (log, _) = crate::log::Log::open(
+            crate::log::storage::FsStorage::new(),
+            dir,
+            crate::log::LogConfig::default(),
+        )?;
+        let needed = log
+            .cursor(&crate::apply::cursor_name(&f.name))
+            .map_or(log.first_offset(), |c| c.next_offset);
+        let present = needed >= log.first_offset();
+        all_present &= present;
+        out.push(json!({
+            "flow": f.name,
+            "log": dir.display().to_string(),
+            "needed_offset": needed,
+            "log_first_offset": log.first_offset(),
+            "log_next_offset": log.next_offset(),
+            "present": present,
+            "detail": if present { format!("offset {needed} is in the log ({} records still to apply)", log.next_offset().saturating_sub(needed)) }
+                      else { format!("offset {needed} was removed by retention (log starts at {})", log.first_offset()) },
+            "recovery": if present { "trellara run --config ...".to_owned() } else { "trellara reseed --config ...".to_owned() },
+        }));
+    }
+    match format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
+        Format::Text => {
+            for v in &out {
+                println!(
+                    "{}: {} — {}",
+                    v["flow"].as_str().unwrap_or(""),
+                    if v["present"] == true {
+                        "present"
+                    } else {
+                        "NOT PRESENT"
+                    },
+                    v["detail"].as_str().unwrap_or("")
+                );
+                println!("  next: {}", v["recovery"].as_str().unwrap_or(""));
+            }
+        }
+    }
+    Ok(if all_present {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// What is blocked and the exact commands that unblock it. There is no
+/// repair apply: the plan names the commands for the specific blockage.
+pub fn repair_plan(args: StatusArgs) -> anyhow::Result<ExitCode> {
+    let config = config::load(&args.config)?;
+    let path = args.config.display().to_string();
+    let rt = runtime()?;
+    let mut steps: Vec<serde_json::Value> = Vec::new();
+    for (index, f) in flows(&config, None)? {
+        rt.block_on(async {
+            let (_, target_url) = flow::urls(f, index)?;
+            let target = flow::connect(&target_url, "target").await?;
+            crate::state::ensure(&target).await?;
+            for q in target.query("SELECT commit_lsn::text, xid, reason, attempts FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn", &[&f.name]).await? {
+                steps.push(json!({"flow": f.name, "blocked": format!("transaction {} at {} is quarantined ({} attempts): {}", q.get::<_, i64>(1), q.get::<_, String>(0), q.get::<_, i32>(3), q.get::<_, String>(2)),
+                    "commands": ["fix the cause named above at the target", format!("trellara run --config {path} --local"), format!("trellara verify --config {path}")]}));
+            }
+            if let Some(s) = crate::snapshot::load(&target, &f.name).await? {
+                if s.state == crate::state::SnapshotState::FailedRecoverable {
+                    steps.push(json!({"flow": f.name, "blocked": "the snapshot run is failed_recoverable", "commands": [format!("trellara reseed --config {path} --verify")]}));
+                } else if !matches!(s.state, crate::state::SnapshotState::StreamHandoffReady | crate::state::SnapshotState::Verified) {
+                    steps.push(json!({"flow": f.name, "blocked": format!("the snapshot run stopped at {}", s.state.as_str()), "commands": [format!("trellara run --config {path} --local")]}));
+                }
+            }
+            anyhow::Ok(())
+        })?;
+    }
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&steps)?),
+        Format::Text => {
+            if steps.is_empty() {
+                println!("nothing is blocked");
+            }
+            for (i, s) in steps.iter().enumerate() {
+                println!(
+                    "{}. [{}] {}",
+                    i + 1,
+                    s["flow"].as_str().unwrap_or(""),
+                    s["blocked"].as_str().unwrap_or("")
+                );
+                for c in s["commands"].as_array().into_iter().flatten() {
+                    println!("     {}", c.as_str().unwrap_or(""));
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

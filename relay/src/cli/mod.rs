@@ -65,13 +65,13 @@ pub enum Command {
     Chaos(NotBuilt),
     /// Re-enter the snapshot state machine for a destination past retention.
     #[command(hide = true)]
-    Reseed(NotBuilt),
+    Reseed(flow::ReseedArgs),
     /// Name what is blocked and the commands that unblock it.
     #[command(hide = true, name = "repair-plan")]
-    RepairPlan(NotBuilt),
+    RepairPlan(flow::StatusArgs),
     /// Stream position tools (locate-local).
     #[command(hide = true)]
-    Stream(NotBuilt),
+    Stream(flow::StreamArgs),
     /// Observe the target while a flow applies: was anything half-applied?
     #[command(hide = true)]
     Semantics(NotBuilt),
@@ -112,17 +112,14 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Preflight(args) => return flow::preflight(args),
         Command::Fleet(_) => ("fleet", "the fleet fan-in issue"),
         Command::Lake(_) => ("lake", "the fleet fan-in issue"),
-        Command::Config(_) => ("config", "issue 5 (config schema v2)"),
+        Command::Config(_) => (
+            "config",
+            "a later issue (config show/migrate); `trellara check --config` validates today",
+        ),
         Command::Chaos(_) => ("chaos", "issue 7 (the failure matrix)"),
-        Command::Reseed(_) => (
-            "reseed",
-            "issue 5 part 3 (reseed re-enters the snapshot machine; today a failed_recoverable run is re-planned by `trellara run`)",
-        ),
-        Command::RepairPlan(_) => (
-            "repair-plan",
-            "issue 5 part 5 (today: `trellara status` lists each quarantined transaction with its recovery)",
-        ),
-        Command::Stream(_) => ("stream", "issue 5 part 3 (stream locate-local)"),
+        Command::Reseed(args) => return flow::reseed(args),
+        Command::RepairPlan(args) => return flow::repair_plan(args),
+        Command::Stream(args) => return flow::stream(args),
         Command::Semantics(_) => ("semantics", "issue 5 part 5"),
     };
     anyhow::bail!(
