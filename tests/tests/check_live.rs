@@ -557,3 +557,197 @@ fn check_wal_level_replica() {
         "{text}"
     );
 }
+
+/// A standby started from `primary` with pg_basebackup, stopped on drop.
+struct Standby {
+    dir: tempfile::TempDir,
+    pg_ctl: std::path::PathBuf,
+    port: u16,
+}
+
+fn as_owner(program: &std::path::Path) -> std::process::Command {
+    if nix::unistd::geteuid().is_root() {
+        let mut cmd = std::process::Command::new("runuser");
+        cmd.args(["-u", trellara_tests::OS_USER, "--"]).arg(program);
+        cmd
+    } else {
+        std::process::Command::new(program)
+    }
+}
+
+fn run_ok(mut cmd: std::process::Command) {
+    let out = cmd.output().expect("command runs");
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Standby {
+    /// A streaming standby through physical slot `standby1`, with slot
+    /// synchronization on (17+).
+    fn start(primary: &Cluster) -> Standby {
+        let dir = tempfile::Builder::new()
+            .prefix("trellara-standby-")
+            .tempdir()
+            .expect("temp dir");
+        if nix::unistd::geteuid().is_root() {
+            let user = nix::unistd::User::from_name(trellara_tests::OS_USER)
+                .expect("lookup")
+                .expect("OS user");
+            nix::unistd::chown(dir.path(), Some(user.uid), Some(user.gid)).expect("chown");
+        }
+        let data = dir.path().join("data");
+        let mut backup = as_owner(&primary.install().bin("pg_basebackup"));
+        backup
+            .args(["-h", primary.host(), "-p", &primary.port().to_string()])
+            .args([
+                "-U", "postgres", "-R", "-C", "-S", "standby1", "-X", "stream", "-D",
+            ])
+            .arg(&data)
+            .current_dir(dir.path());
+        run_ok(backup);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        // postgresql.auto.conf is read last: it overrides the primary's
+        // port and socket directory copied with the data directory.
+        let auto = data.join("postgresql.auto.conf");
+        let mut conf = std::fs::read_to_string(&auto).expect("auto conf");
+        conf = conf.replace(
+            "primary_conninfo = '",
+            "primary_conninfo = 'dbname=postgres ",
+        );
+        conf.push_str(&format!(
+            "\nport = {port}\nunix_socket_directories = '{}'\nhot_standby_feedback = on\n\
+             sync_replication_slots = on\nprimary_slot_name = 'standby1'\nlog_statement = 'all'\n",
+            dir.path().display()
+        ));
+        std::fs::write(&auto, conf).expect("write auto conf");
+        let pg_ctl = primary.install().bin("pg_ctl");
+        let mut start = as_owner(&pg_ctl);
+        start
+            .arg("start")
+            .arg("-w")
+            .arg("-D")
+            .arg(&data)
+            .arg("-l")
+            .arg(dir.path().join("standby.log"))
+            .current_dir(dir.path());
+        run_ok(start);
+        Standby { dir, pg_ctl, port }
+    }
+
+    fn url(&self) -> String {
+        format!("postgresql://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    fn value(&self, sql: &str) -> Option<String> {
+        let mut client = trellara_tests::postgres::Client::connect(
+            &format!(
+                "host=127.0.0.1 port={} user=postgres dbname=postgres",
+                self.port
+            ),
+            trellara_tests::postgres::NoTls,
+        )
+        .ok()?;
+        let rows = client.simple_query(sql).ok()?;
+        rows.iter().find_map(|m| match m {
+            trellara_tests::postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        })
+    }
+}
+
+impl Drop for Standby {
+    fn drop(&mut self) {
+        let mut stop = as_owner(&self.pg_ctl);
+        stop.args(["stop", "-m", "immediate", "-w", "-D"])
+            .arg(self.dir.path().join("data"))
+            .current_dir(self.dir.path());
+        let _ = stop.output();
+    }
+}
+
+#[test]
+fn check_standby_pg17() {
+    standby(Major::Pg17);
+}
+
+#[test]
+fn check_standby_pg18() {
+    standby(Major::Pg18);
+}
+
+/// A primary with a failover slot synchronized to a standby: the primary's
+/// report confirms the setup, the standby's reports itself as a standby with
+/// the synced slot, its WAL rate from the receive position, and conflicts.
+fn standby(major: Major) {
+    let Some(primary) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    primary.psql("CREATE TABLE t (id int PRIMARY KEY, v int)");
+    primary
+        .psql("SELECT pg_create_logical_replication_slot('cap', 'pgoutput', false, false, true)");
+    let standby = Standby::start(&primary);
+    primary.psql("ALTER SYSTEM SET synchronized_standby_slots = 'standby1'");
+    primary.psql("SELECT pg_reload_conf()");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while standby
+        .value("SELECT synced FROM pg_replication_slots WHERE slot_name = 'cap'")
+        .as_deref()
+        != Some("t")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "slot cap never synced"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    let report = assess(&url_as(&primary, "postgres"), &["public.t"]);
+    let text = trellara_check::render_text(&report);
+    assert!(!report.facts.server.standby);
+    assert_eq!(
+        report.failover.summary, "supported · 1 enabled · synchronized_standby_slots = standby1",
+        "{text}"
+    );
+    assert!(report.findings.iter().all(|f| f.rule != "W10"), "{text}");
+    assert!(
+        report
+            .failover
+            .guidance
+            .iter()
+            .any(|g| g.contains("standbys stream through standby1")),
+        "{text}"
+    );
+    assert_eq!(report.facts.usage.wal_senders, 1, "{text}");
+
+    let on_standby = assess(&standby.url(), &["public.t"]);
+    let text = trellara_check::render_text(&on_standby);
+    eprintln!("{text}");
+    assert!(on_standby.facts.server.standby, "{text}");
+    assert!(text.contains("(standby)"));
+    assert_eq!(on_standby.verdict(), Verdict::Ready, "{text}");
+    assert_eq!(
+        on_standby.failover.summary, "supported · standby · sync_replication_slots = on · 1 synced",
+        "{text}"
+    );
+    assert_eq!(on_standby.failover.synced, ["cap"]);
+    assert!(text.contains("synced from the primary"), "{text}");
+    assert!(
+        on_standby.facts.conflicts.is_some(),
+        "conflicts are read on standbys"
+    );
+    assert!(
+        on_standby.facts.wal.bytes_per_second.is_some(),
+        "rate from pg_last_wal_receive_lsn(): {text}"
+    );
+    assert!(
+        on_standby.findings.iter().all(|f| f.rule != "W17"),
+        "hot_standby_feedback is on"
+    );
+}
