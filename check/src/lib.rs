@@ -110,13 +110,12 @@ pub fn redact(text: &str) -> String {
     while let Some(i) = rest.find("://") {
         let (head, tail) = rest.split_at(i + 3);
         out.push_str(head);
-        let end = tail
-            .find(|c: char| c == '/' || c == '?' || c.is_whitespace())
-            .unwrap_or(tail.len());
-        let authority = &tail[..end];
-        match authority.rfind('@') {
+        // The userinfo ends at the last '@' of the URL (a password may hold
+        // '/', '?' or '@' when not percent-encoded).
+        let token_end = tail.find(char::is_whitespace).unwrap_or(tail.len());
+        match tail[..token_end].rfind('@') {
             Some(at) => {
-                let userinfo = &authority[..at];
+                let userinfo = &tail[..at];
                 match userinfo.find(':') {
                     Some(colon) => {
                         out.push_str(&userinfo[..colon]);
@@ -124,11 +123,10 @@ pub fn redact(text: &str) -> String {
                     }
                     None => out.push_str(userinfo),
                 }
-                out.push_str(&authority[at..]);
+                rest = &tail[at..];
             }
-            None => out.push_str(authority),
+            None => rest = tail,
         }
-        rest = &tail[end..];
     }
     out.push_str(rest);
     // key=value form
@@ -157,6 +155,10 @@ mod tests {
             "postgresql://rep:<redacted>@db:5432/shop?sslmode=require"
         );
         assert_eq!(super::redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(
+            super::redact("could not parse postgres://u:p/w?d@h/db: bad"),
+            "could not parse postgres://u:<redacted>@h/db: bad"
+        );
         assert_eq!(
             super::redact("host=h password=x user=u"),
             "host=h password=<redacted> user=u"

@@ -686,7 +686,12 @@ fn check_standby_pg18() {
 /// report confirms the setup, the standby's reports itself as a standby with
 /// the synced slot, its WAL rate from the receive position, and conflicts.
 fn standby(major: Major) {
-    let Some(primary) = test_cluster(major, &ClusterOptions::new()) else {
+    let mut options = ClusterOptions::new();
+    if major >= Major::Pg18 {
+        // Idle slots bounded in time: retention is not unbounded (no W06).
+        options = options.setting("idle_replication_slot_timeout", "1h");
+    }
+    let Some(primary) = test_cluster(major, &options) else {
         return;
     };
     primary.psql("CREATE TABLE t (id int PRIMARY KEY, v int)");
@@ -725,6 +730,33 @@ fn standby(major: Major) {
         "{text}"
     );
     assert_eq!(report.facts.usage.wal_senders, 1, "{text}");
+    let physical = report
+        .facts
+        .slots
+        .iter()
+        .find(|x| x.name == "standby1")
+        .expect("physical slot");
+    assert_eq!(physical.state, SlotState::Active, "{text}");
+    assert!(report.slots_line().starts_with("1 active"), "{text}");
+    if major >= Major::Pg18 {
+        assert_eq!(
+            report.facts.settings.idle_replication_slot_timeout_s,
+            Some(3600)
+        );
+        assert!(report.findings.iter().all(|f| f.rule != "W06"), "{text}");
+        assert!(
+            text.contains("idle_replication_slot_timeout 1h00m"),
+            "{text}"
+        );
+    } else {
+        assert!(report.findings.iter().any(|f| f.rule == "W06"), "{text}");
+        assert!(
+            report
+                .headroom_line()
+                .starts_with("bounded only by disk, which the grader cannot see"),
+            "{text}"
+        );
+    }
 
     let on_standby = assess(&standby.url(), &["public.t"]);
     let text = trellara_check::render_text(&on_standby);
