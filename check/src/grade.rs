@@ -1086,6 +1086,256 @@ pub fn actions(findings: &[Finding]) -> Vec<Action> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::report::{
+        Conflicts, NamedSetting, RoleAccess, Server, Settings, Slot, Tables, Unknown, Usage, Wal,
+    };
+
+    /// A healthy PostgreSQL 17 primary: grade A, ready.
+    fn healthy() -> Facts {
+        Facts {
+            server: Server {
+                version: "17.9".into(),
+                version_num: 170_009,
+                standby: false,
+                database: "shop".into(),
+                transaction_read_only: true,
+            },
+            role: RoleAccess {
+                name: "capture".into(),
+                superuser: false,
+                replication_attribute: true,
+                provider_replication_roles: vec![],
+                provider_roles_present: vec![],
+                monitor: true,
+                read_all_settings: true,
+                read_all_stats: true,
+                create_on_database: true,
+            },
+            settings: Settings {
+                wal_level: Some("logical".into()),
+                max_slot_wal_keep_size_mb: Some(100 * 1024),
+                max_wal_size_mb: Some(1024),
+                max_replication_slots: Some(10),
+                max_wal_senders: Some(10),
+                idle_replication_slot_timeout_s: None,
+                output_plugin_libraries: Some(vec!["pgoutput".into(), "trellara".into()]),
+                has_output_plugin_libraries: Some(true),
+                sync_replication_slots: Some("off".into()),
+                standby_slots_setting: Some(NamedSetting {
+                    name: "synchronized_standby_slots".into(),
+                    value: String::new(),
+                }),
+                hot_standby_feedback: Some("off".into()),
+                provider_logical_switch: None,
+            },
+            usage: Usage {
+                replication_slots: 0,
+                wal_senders: 0,
+            },
+            tables: Tables {
+                requested: false,
+                missing: vec![],
+                tables: vec![],
+                truncated: false,
+            },
+            publications: vec![],
+            slots: vec![],
+            wal: Wal {
+                sample_seconds: 5.0,
+                bytes_per_second: Some(1024.0 * 1024.0),
+                largest_retained_bytes: None,
+                pg_wal_bytes: Some(1 << 30),
+                headroom_hours: None,
+                headroom_basis: String::new(),
+            },
+            conflicts: Some(Conflicts {
+                tablespace: 0,
+                lock: 0,
+                snapshot: 0,
+                bufferpin: 0,
+                deadlock: 0,
+                active_logicalslot: Some(0),
+            }),
+            unknowns: vec![],
+            statements: 20,
+        }
+    }
+
+    fn slot(name: &str, state: SlotState, wal_status: &str) -> Slot {
+        Slot {
+            name: name.into(),
+            slot_type: "logical".into(),
+            plugin: Some("pgoutput".into()),
+            database: Some("shop".into()),
+            temporary: false,
+            state,
+            active_pid: None,
+            restart_lsn: Some("0/1000000".into()),
+            confirmed_flush_lsn: Some("0/1000000".into()),
+            wal_status: Some(wal_status.into()),
+            safe_wal_size: None,
+            retained_bytes: Some(1 << 20),
+            inactive_seconds: None,
+            inactive_since: None,
+            invalidation_reason: None,
+            conflicting: Some(false),
+            failover: Some(true),
+            synced: Some(false),
+        }
+    }
+
+    fn rules_of(e: &Evaluation) -> Vec<&'static str> {
+        e.findings.iter().map(|f| f.rule).collect()
+    }
+
+    #[test]
+    fn healthy_primary_is_a_ready() {
+        let mut f = healthy();
+        let e = evaluate(&mut f);
+        assert_eq!(rules_of(&e), Vec::<&str>::new());
+        assert_eq!(
+            (e.grade.letter, e.grade.score, e.verdict),
+            ('A', 100, Verdict::Ready)
+        );
+        // 100 GiB at 1 MiB/s.
+        let h = f.wal.headroom_hours.expect("headroom");
+        assert!((h - 100.0 * 1024.0 / 3600.0).abs() < 0.01, "{h}");
+        assert!(f.wal.headroom_basis.contains("the rate of the last 5 s"));
+    }
+
+    #[test]
+    fn capacity_and_plugins_block() {
+        let mut f = healthy();
+        f.usage.replication_slots = 10;
+        f.usage.wal_senders = 9;
+        f.settings.output_plugin_libraries = Some(vec!["test_decoding".into()]);
+        let e = evaluate(&mut f);
+        assert_eq!(rules_of(&e), ["C03", "C08", "W08"]);
+        assert_eq!(e.verdict, Verdict::Blocked);
+        assert!(e.actions.iter().any(|a| a.statement
+            == "ALTER SYSTEM SET output_plugin_libraries = 'test_decoding', 'pgoutput', 'trellara'; SELECT pg_reload_conf();"));
+    }
+
+    #[test]
+    fn standby_before_16_blocks_and_feedback_off_warns() {
+        let mut f = healthy();
+        f.server.version_num = 150_020;
+        f.server.version = "15.20".into();
+        f.server.standby = true;
+        f.conflicts = Some(Conflicts {
+            tablespace: 0,
+            lock: 1,
+            snapshot: 2,
+            bufferpin: 0,
+            deadlock: 0,
+            active_logicalslot: None,
+        });
+        let e = evaluate(&mut f);
+        assert_eq!(rules_of(&e), ["C09", "W16", "W17", "N03"]);
+        assert_eq!(e.verdict, Verdict::Blocked);
+    }
+
+    #[test]
+    fn provider_role_is_unknown_not_fine_and_missing_role_is_critical() {
+        let mut f = healthy();
+        f.role.replication_attribute = false;
+        f.role.provider_replication_roles = vec!["rds_replication".into()];
+        f.role.provider_roles_present = vec!["rds_replication".into()];
+        let e = evaluate(&mut f);
+        assert_eq!(rules_of(&e), ["U01"]);
+        assert_eq!(e.verdict, Verdict::Ready);
+        assert_eq!(e.grade.score, 97);
+
+        let mut f = healthy();
+        f.role.replication_attribute = false;
+        f.role.provider_roles_present = vec!["rds_replication".into()];
+        f.settings.wal_level = Some("replica".into());
+        f.settings.provider_logical_switch = Some(NamedSetting {
+            name: "rds.logical_replication".into(),
+            value: "0".into(),
+        });
+        let e = evaluate(&mut f);
+        assert_eq!(rules_of(&e), ["C01", "C02"]);
+        assert_eq!(
+            e.actions[0].statement,
+            "set rds.logical_replication = 1 in the DB parameter group, then reboot the instance"
+        );
+        assert_eq!(e.actions[1].statement, "GRANT rds_replication TO capture;");
+    }
+
+    #[test]
+    fn unreadable_essentials_are_unassessed() {
+        let mut f = healthy();
+        f.settings.wal_level = None;
+        f.unknowns.push(Unknown {
+            what: "wal_level".into(),
+            reason: "not visible".into(),
+            grant: Some("GRANT pg_read_all_settings TO capture;".into()),
+        });
+        let e = evaluate(&mut f);
+        assert_eq!(e.verdict, Verdict::Unassessed);
+        assert_eq!(e.verdict.exit_code(), 2);
+        assert_eq!(
+            e.actions[0].statement,
+            "GRANT pg_read_all_settings TO capture;"
+        );
+    }
+
+    #[test]
+    fn slot_states_and_headroom_thresholds() {
+        let mut f = healthy();
+        f.settings.max_slot_wal_keep_size_mb = Some(4 * 1024);
+        let mut unreserved = slot("a", SlotState::Active, "unreserved");
+        unreserved.safe_wal_size = Some(-5);
+        let mut extended = slot("b", SlotState::Active, "extended");
+        extended.safe_wal_size = Some(3 << 30);
+        f.slots = vec![unreserved, extended];
+        f.usage.replication_slots = 2;
+        let e = evaluate(&mut f);
+        // No physical slot in use: failover slots are not synchronized.
+        assert_eq!(rules_of(&e), ["W02", "W03", "W05", "W10", "W10"]);
+        assert_eq!(f.wal.headroom_hours, Some(0.0));
+        let w05 = e.findings.iter().find(|x| x.rule == "W05").expect("W05");
+        assert_eq!(w05.points, 25);
+
+        for (safe, points) in [(3 * 3600, 15), (12 * 3600, 5), (30 * 3600, 0)] {
+            let mut f = healthy();
+            f.settings.max_slot_wal_keep_size_mb = Some(1 << 20);
+            let mut s = slot("a", SlotState::Active, "reserved");
+            s.safe_wal_size = Some(safe * (1 << 20));
+            s.failover = Some(false);
+            f.slots = vec![s];
+            let e = evaluate(&mut f);
+            let got = e
+                .findings
+                .iter()
+                .find(|x| x.rule == "W05")
+                .map(|x| x.points);
+            assert_eq!(got.unwrap_or(0), points, "safe {safe} s of WAL");
+        }
+    }
+
+    #[test]
+    fn unbounded_retention_and_idle_timeout() {
+        let mut f = healthy();
+        f.settings.max_slot_wal_keep_size_mb = Some(-1);
+        let e = evaluate(&mut f);
+        assert_eq!(rules_of(&e), ["W06"]);
+        assert!(f.wal.headroom_hours.is_none());
+        assert!(
+            f.wal
+                .headroom_basis
+                .starts_with("bounded only by disk, which the grader cannot see")
+        );
+
+        let mut f = healthy();
+        f.server.version_num = 180_006;
+        f.settings.max_slot_wal_keep_size_mb = Some(-1);
+        f.settings.idle_replication_slot_timeout_s = Some(3600);
+        assert_eq!(rules_of(&evaluate(&mut f)), Vec::<&str>::new());
+        f.settings.idle_replication_slot_timeout_s = Some(0);
+        assert_eq!(rules_of(&evaluate(&mut f)), ["W06"]);
+    }
 
     fn finding(id: &str, points: u32) -> Finding {
         let r = lookup(id);
