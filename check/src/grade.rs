@@ -449,11 +449,11 @@ pub fn evaluate(facts: &mut Facts) -> Evaluation {
     }
 
     // Slot and sender capacity.
-    if let Some(max) = s.max_replication_slots {
-        let free = max - facts.usage.replication_slots;
+    if let (Some(max), Some(used)) = (s.max_replication_slots, facts.usage.replication_slots) {
+        let free = max - used;
         let action = format!(
             "ALTER SYSTEM SET max_replication_slots = {}; -- then restart PostgreSQL",
-            facts.usage.replication_slots + 4
+            used + 4
         );
         if free <= 0 {
             out.add(
@@ -461,7 +461,7 @@ pub fn evaluate(facts: &mut Facts) -> Evaluation {
                 Some("max_replication_slots".into()),
                 format!(
                     "{} of {max} replication slots used: none free for capture",
-                    facts.usage.replication_slots
+                    used
                 ),
                 Some(action),
             );
@@ -469,19 +469,16 @@ pub fn evaluate(facts: &mut Facts) -> Evaluation {
             out.add(
                 "W07",
                 Some("max_replication_slots".into()),
-                format!(
-                    "{} of {max} replication slots used: {free} free",
-                    facts.usage.replication_slots
-                ),
+                format!("{} of {max} replication slots used: {free} free", used),
                 Some(action),
             );
         }
     }
-    if let Some(max) = s.max_wal_senders {
-        let free = max - facts.usage.wal_senders;
+    if let (Some(max), Some(used)) = (s.max_wal_senders, facts.usage.wal_senders) {
+        let free = max - used;
         let action = format!(
             "ALTER SYSTEM SET max_wal_senders = {}; -- then restart PostgreSQL",
-            facts.usage.wal_senders + 4
+            used + 4
         );
         if free <= 0 {
             out.add(
@@ -489,7 +486,7 @@ pub fn evaluate(facts: &mut Facts) -> Evaluation {
                 Some("max_wal_senders".into()),
                 format!(
                     "{} of {max} WAL senders in use: none free for capture",
-                    facts.usage.wal_senders
+                    used
                 ),
                 Some(action),
             );
@@ -497,10 +494,7 @@ pub fn evaluate(facts: &mut Facts) -> Evaluation {
             out.add(
                 "W08",
                 Some("max_wal_senders".into()),
-                format!(
-                    "{} of {max} WAL senders in use: {free} free",
-                    facts.usage.wal_senders
-                ),
+                format!("{} of {max} WAL senders in use: {free} free", used),
                 Some(action),
             );
         }
@@ -1129,8 +1123,8 @@ mod tests {
                 provider_logical_switch: None,
             },
             usage: Usage {
-                replication_slots: 0,
-                wal_senders: 0,
+                replication_slots: Some(0),
+                wal_senders: Some(0),
             },
             tables: Tables {
                 requested: false,
@@ -1139,7 +1133,9 @@ mod tests {
                 truncated: false,
             },
             publications: vec![],
+            publications_visible: true,
             slots: vec![],
+            slots_visible: true,
             wal: Wal {
                 sample_seconds: 5.0,
                 bytes_per_second: Some(1024.0 * 1024.0),
@@ -1206,8 +1202,8 @@ mod tests {
     #[test]
     fn capacity_and_plugins_block() {
         let mut f = healthy();
-        f.usage.replication_slots = 10;
-        f.usage.wal_senders = 9;
+        f.usage.replication_slots = Some(10);
+        f.usage.wal_senders = Some(9);
         f.settings.output_plugin_libraries = Some(vec!["test_decoding".into()]);
         let e = evaluate(&mut f);
         assert_eq!(rules_of(&e), ["C03", "C08", "W08"]);
@@ -1290,7 +1286,7 @@ mod tests {
         let mut extended = slot("b", SlotState::Active, "extended");
         extended.safe_wal_size = Some(3 << 30);
         f.slots = vec![unreserved, extended];
-        f.usage.replication_slots = 2;
+        f.usage.replication_slots = Some(2);
         let e = evaluate(&mut f);
         // No physical slot in use: failover slots are not synchronized.
         assert_eq!(rules_of(&e), ["W02", "W03", "W05", "W10", "W10"]);

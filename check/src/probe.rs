@@ -238,25 +238,30 @@ async fn gather_in_transaction(
     let role = read_role(s).await?;
     let settings = read_settings(s, &role, &mut unknowns).await?;
 
-    let usage_rows = s
-        .exec(
-            "usage",
-            "SELECT (SELECT count(*) FROM pg_replication_slots) AS slots, \
-             (SELECT count(*) FROM pg_stat_replication) AS senders",
+    let slots = read_slots(s, version_num, retained_from, &role.name, &mut unknowns).await?;
+    let senders = match s
+        .probe(
+            "wal senders",
+            "SELECT count(*) AS senders FROM pg_stat_replication",
         )
-        .await?;
-    let usage = Usage {
-        replication_slots: usage_rows
-            .first()
-            .and_then(|r| int(r, "slots"))
-            .unwrap_or(0),
-        wal_senders: usage_rows
-            .first()
-            .and_then(|r| int(r, "senders"))
-            .unwrap_or(0),
+        .await?
+    {
+        Probe::Rows(rows) => rows.first().and_then(|r| int(r, "senders")),
+        Probe::Denied(why) => {
+            unknowns.push(Unknown {
+                what: "wal senders in use".into(),
+                reason: format!("pg_stat_replication refused: {why}"),
+                grant: Some(format!("GRANT pg_monitor TO {};", quote_ident(&role.name))),
+            });
+            None
+        }
     };
-
-    let slots = read_slots(s, version_num, retained_from).await?;
+    let usage = Usage {
+        replication_slots: slots.as_ref().map(|v| v.len() as i64),
+        wal_senders: senders,
+    };
+    let slots_visible = slots.is_some();
+    let slots = slots.unwrap_or_default();
 
     let pg_wal_bytes = if role.monitor || role.superuser {
         match s
@@ -286,7 +291,9 @@ async fn gather_in_transaction(
     };
 
     let table_facts = read_tables(s, tables, &mut unknowns).await?;
-    let publications = read_publications(s).await?;
+    let publications = read_publications(s, &role.name, &mut unknowns).await?;
+    let publications_visible = publications.is_some();
+    let publications = publications.unwrap_or_default();
     let conflicts = read_conflicts(s, version_num).await?;
 
     // Close the sample window.
@@ -342,7 +349,9 @@ async fn gather_in_transaction(
         usage,
         tables: table_facts,
         publications,
+        publications_visible,
         slots,
+        slots_visible,
         wal,
         conflicts,
         unknowns,
@@ -517,11 +526,14 @@ async fn read_settings(
     Ok(settings)
 }
 
+/// The slots, or `None` (and an unknown) when the role may not read them.
 async fn read_slots(
     s: &mut Session,
     version_num: u32,
     retained_from: &str,
-) -> Result<Vec<Slot>, CheckError> {
+    role: &str,
+    unknowns: &mut Vec<Unknown>,
+) -> Result<Option<Vec<Slot>>, CheckError> {
     let mut columns = String::from(
         "slot_name, plugin, slot_type, database, temporary, active, active_pid, \
          restart_lsn::text AS restart_lsn, confirmed_flush_lsn::text AS confirmed_flush_lsn, \
@@ -540,55 +552,65 @@ async fn read_slots(
              invalidation_reason, failover, synced",
         );
     }
-    let rows = s
-        .exec(
-            "slots",
-            &format!("SELECT {columns} FROM pg_replication_slots ORDER BY slot_name"),
-        )
-        .await?;
-    Ok(rows
-        .iter()
-        .map(|r| {
-            let active = boolean(r, "active").unwrap_or(false);
-            let wal_status = text(r, "wal_status");
-            let invalidation_reason = text(r, "invalidation_reason");
-            let conflicting = boolean(r, "conflicting");
-            let invalidated = wal_status.as_deref() == Some("lost")
-                || invalidation_reason.is_some()
-                || conflicting == Some(true);
-            let state = if invalidated {
-                SlotState::Invalidated
-            } else if active {
-                SlotState::Active
-            } else {
-                SlotState::Stalled
-            };
-            Slot {
-                name: text(r, "slot_name").unwrap_or_default(),
-                slot_type: text(r, "slot_type").unwrap_or_default(),
-                plugin: text(r, "plugin"),
-                database: text(r, "database"),
-                temporary: boolean(r, "temporary").unwrap_or(false),
-                state,
-                active_pid: int(r, "active_pid"),
-                restart_lsn: text(r, "restart_lsn"),
-                confirmed_flush_lsn: text(r, "confirmed_flush_lsn"),
-                wal_status,
-                safe_wal_size: int(r, "safe_wal_size"),
-                retained_bytes: int(r, "retained_bytes"),
-                inactive_seconds: if active {
-                    None
+    let sql = format!("SELECT {columns} FROM pg_replication_slots ORDER BY slot_name");
+    let rows = match s.probe("slots", &sql).await? {
+        Probe::Rows(rows) => rows,
+        Probe::Denied(why) => {
+            unknowns.push(Unknown {
+                what: "replication slots".into(),
+                reason: format!("pg_replication_slots refused: {why}"),
+                grant: Some(format!(
+                    "GRANT SELECT ON pg_catalog.pg_replication_slots TO {};",
+                    quote_ident(role)
+                )),
+            });
+            return Ok(None);
+        }
+    };
+    Ok(Some(
+        rows.iter()
+            .map(|r| {
+                let active = boolean(r, "active").unwrap_or(false);
+                let wal_status = text(r, "wal_status");
+                let invalidation_reason = text(r, "invalidation_reason");
+                let conflicting = boolean(r, "conflicting");
+                let invalidated = wal_status.as_deref() == Some("lost")
+                    || invalidation_reason.is_some()
+                    || conflicting == Some(true);
+                let state = if invalidated {
+                    SlotState::Invalidated
+                } else if active {
+                    SlotState::Active
                 } else {
-                    int(r, "inactive_seconds")
-                },
-                inactive_since: text(r, "inactive_since"),
-                invalidation_reason,
-                conflicting,
-                failover: boolean(r, "failover"),
-                synced: boolean(r, "synced"),
-            }
-        })
-        .collect())
+                    SlotState::Stalled
+                };
+                Slot {
+                    name: text(r, "slot_name").unwrap_or_default(),
+                    slot_type: text(r, "slot_type").unwrap_or_default(),
+                    plugin: text(r, "plugin"),
+                    database: text(r, "database"),
+                    temporary: boolean(r, "temporary").unwrap_or(false),
+                    state,
+                    active_pid: int(r, "active_pid"),
+                    restart_lsn: text(r, "restart_lsn"),
+                    confirmed_flush_lsn: text(r, "confirmed_flush_lsn"),
+                    wal_status,
+                    safe_wal_size: int(r, "safe_wal_size"),
+                    retained_bytes: int(r, "retained_bytes"),
+                    inactive_seconds: if active {
+                        None
+                    } else {
+                        int(r, "inactive_seconds")
+                    },
+                    inactive_since: text(r, "inactive_since"),
+                    invalidation_reason,
+                    conflicting,
+                    failover: boolean(r, "failover"),
+                    synced: boolean(r, "synced"),
+                }
+            })
+            .collect(),
+    ))
 }
 
 /// Validates `schema.name` (or `name`) and returns it for `to_regclass`.
@@ -754,16 +776,31 @@ async fn read_tables(
     })
 }
 
-async fn read_publications(s: &mut Session) -> Result<Vec<Publication>, CheckError> {
-    let rows = s
-        .exec(
-            "publications",
-            "SELECT p.pubname, p.puballtables, p.pubviaroot, p.pubinsert, p.pubupdate, \
+/// The publications, or `None` (and an unknown) when the role may not
+/// read them.
+async fn read_publications(
+    s: &mut Session,
+    role: &str,
+    unknowns: &mut Vec<Unknown>,
+) -> Result<Option<Vec<Publication>>, CheckError> {
+    let sql = "SELECT p.pubname, p.puballtables, p.pubviaroot, p.pubinsert, p.pubupdate, \
              p.pubdelete, p.pubtruncate, \
              (SELECT count(*) FROM pg_publication_tables t WHERE t.pubname = p.pubname) AS tables \
-             FROM pg_publication p ORDER BY p.pubname",
-        )
-        .await?;
+             FROM pg_publication p ORDER BY p.pubname";
+    let rows = match s.probe("publications", sql).await? {
+        Probe::Rows(rows) => rows,
+        Probe::Denied(why) => {
+            unknowns.push(Unknown {
+                what: "publications".into(),
+                reason: format!("pg_publication refused: {why}"),
+                grant: Some(format!(
+                    "GRANT SELECT ON pg_catalog.pg_publication, pg_catalog.pg_publication_tables TO {};",
+                    quote_ident(role)
+                )),
+            });
+            return Ok(None);
+        }
+    };
     Ok(rows
         .iter()
         .filter_map(|r| {
@@ -785,7 +822,8 @@ async fn read_publications(s: &mut Session) -> Result<Vec<Publication>, CheckErr
                 tables: int(r, "tables").unwrap_or(0),
             })
         })
-        .collect())
+        .collect::<Vec<_>>()
+        .into())
 }
 
 async fn read_conflicts(

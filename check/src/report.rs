@@ -188,8 +188,10 @@ pub struct TablePublication {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Usage {
-    pub replication_slots: i64,
-    pub wal_senders: i64,
+    /// Slots that exist; `None` when `pg_replication_slots` is not readable.
+    pub replication_slots: Option<i64>,
+    /// Rows of `pg_stat_replication`; `None` when not readable.
+    pub wal_senders: Option<i64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -363,7 +365,12 @@ pub struct Facts {
     pub usage: Usage,
     pub tables: Tables,
     pub publications: Vec<Publication>,
+    /// False when the role may not read `pg_publication` (see `unknowns`).
+    pub publications_visible: bool,
     pub slots: Vec<Slot>,
+    /// False when the role may not read `pg_replication_slots` (see
+    /// `unknowns`): `slots` is then empty but not "none".
+    pub slots_visible: bool,
     pub wal: Wal,
     pub conflicts: Option<Conflicts>,
     /// What could not be read, and the grant that would reveal it.
@@ -444,6 +451,9 @@ impl Report {
     /// "3 active · 1 stalled 2h14m · 1 invalidated".
     pub fn slots_line(&self) -> String {
         let slots = &self.facts.slots;
+        if !self.facts.slots_visible {
+            return "unknown: pg_replication_slots is not readable by this role".into();
+        }
         if slots.is_empty() {
             return "none".into();
         }
@@ -657,13 +667,13 @@ pub fn render_text(report: &Report) -> String {
     let _ = writeln!(
         out,
         "  replication slots          {} used of {}",
-        f.usage.replication_slots,
+        opt(&f.usage.replication_slots),
         opt(&s.max_replication_slots)
     );
     let _ = writeln!(
         out,
         "  wal senders                {} used of {}",
-        f.usage.wal_senders,
+        opt(&f.usage.wal_senders),
         opt(&s.max_wal_senders)
     );
     if f.server.version_num >= 180_000 {

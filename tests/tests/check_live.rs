@@ -530,6 +530,26 @@ fn live(major: Major) {
 
     let after = snapshot(&cluster);
     assert_eq!(before, after, "the grader changed catalog state");
+
+    // A provider that revokes pg_replication_slots: the slots are unknown,
+    // with the grant, never "none".
+    cluster.psql("REVOKE SELECT ON pg_catalog.pg_replication_slots FROM PUBLIC");
+    let hidden = assess_audited(&cluster, &url_as(&cluster, "bare"), &[]);
+    let hidden_text = trellara_check::render_text(&hidden);
+    assert!(!hidden.facts.slots_visible);
+    assert_eq!(hidden.facts.usage.replication_slots, None);
+    assert!(hidden.slots_line().starts_with("unknown"), "{hidden_text}");
+    assert!(
+        has_action(
+            &hidden,
+            "GRANT SELECT ON pg_catalog.pg_replication_slots TO bare;"
+        ),
+        "{hidden_text}"
+    );
+    assert!(
+        hidden_text.contains("replication slots          unknown used of 16"),
+        "{hidden_text}"
+    );
     eprintln!("{major}: check_live passed in {:.1?}", started.elapsed());
 }
 
@@ -729,7 +749,7 @@ fn standby(major: Major) {
             .any(|g| g.contains("standbys stream through standby1")),
         "{text}"
     );
-    assert_eq!(report.facts.usage.wal_senders, 1, "{text}");
+    assert_eq!(report.facts.usage.wal_senders, Some(1), "{text}");
     let physical = report
         .facts
         .slots
