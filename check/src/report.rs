@@ -411,6 +411,24 @@ impl Report {
             .filter(|f| f.severity == Severity::Critical)
     }
 
+    /// "ready", or "blocked by C06 (public.noid), C01 (wal_level)".
+    pub fn verdict_line(&self) -> String {
+        let blockers: Vec<String> = self
+            .critical()
+            .map(|f| match &f.subject {
+                Some(s) => format!("{} ({s})", f.rule),
+                None => f.rule.to_string(),
+            })
+            .collect();
+        match self.verdict {
+            Verdict::Blocked => format!("blocked by {}", blockers.join(", ")),
+            Verdict::Unassessed => {
+                "unassessed: an essential setting could not be read (see unknown findings)".into()
+            }
+            Verdict::Ready => "ready".into(),
+        }
+    }
+
     /// "4 tables ready · 1 note (TOAST)".
     pub fn readiness_line(&self) -> String {
         let t = &self.facts.tables;
@@ -589,7 +607,7 @@ pub fn render_text(report: &Report) -> String {
             }
         ),
     );
-    line(&mut out, "verdict", report.verdict.as_str().to_string());
+    line(&mut out, "verdict", report.verdict_line());
     line(&mut out, "capture readiness", report.readiness_line());
     line(&mut out, "slots", report.slots_line());
     line(&mut out, "wal headroom", report.headroom_line());
@@ -916,7 +934,7 @@ code{{background:#f4f4f4;padding:0 .2em}}footer{{margin-top:2em;color:#555}}\
         "<p><span class=\"grade\">{}</span> {}/100 · verdict <b>{}</b> (exit {})</p>\n<table>",
         report.grade.letter,
         report.grade.score,
-        report.verdict.as_str(),
+        e(&report.verdict_line()),
         report.exit_code
     );
     for (k, v) in [

@@ -146,6 +146,10 @@ fn binary_on_a_live_server() {
     assert!(err.contains("not writing a config: the source is blocked by C06 table_without_identity (public.noid)"), "{err}");
     assert!(out.contains("grade              F"), "{out}");
     assert!(
+        out.contains("verdict            blocked by C06 (public.noid)"),
+        "{out}"
+    );
+    assert!(
         out.contains("ALTER TABLE public.noid REPLICA IDENTITY FULL;"),
         "{out}"
     );
