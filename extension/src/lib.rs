@@ -27,6 +27,7 @@
 
 use pgrx::prelude::*;
 
+mod assemble;
 mod error;
 mod options;
 mod plugin;

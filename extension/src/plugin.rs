@@ -35,18 +35,17 @@ use std::path::PathBuf;
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
-use prost::Message as _;
 use trellara_common::envelope::{
-    self, BeforeImage, Boundary, Capture, Change, Envelope, LogicalMessage, Operation,
-    PROTOCOL_VERSION, RelationSchema, ReplicaIdentity, RowChange, SourceIdentity, boundary,
-    capture, change,
+    BeforeImage, Capture, Envelope, LogicalMessage, Operation, PROTOCOL_VERSION, ReplicaIdentity,
+    RowChange, SourceIdentity, capture, change,
 };
 use trellara_common::native_frame::FrameWriter;
 
+use crate::assemble::Transaction;
 use crate::error::PluginError;
 use crate::options::{self, Options, OriginFilter};
 use crate::relation::{Deformer, Image, RelationCache, RelationInfo, owned_str};
-use crate::spill::{self, ChangeLog, NO_RELATION};
+use crate::spill::NO_RELATION;
 
 /// The decoder name carried in `capture.decoder`.
 const DECODER: &str = "trellara/1";
@@ -62,54 +61,16 @@ struct Source {
     system_identifier: u64,
 }
 
-/// The transaction being decoded.
-#[derive(Debug)]
-struct Txn {
-    log: ChangeLog,
-    /// Relation schemas the transaction's changes refer to; a record's
-    /// relation version indexes this list. A relation whose schema changes
-    /// mid-transaction has several versions.
-    versions: Vec<RelationSchema>,
-    version_lens: Vec<(u32, usize)>,
-    scratch: Vec<u8>,
-}
-
-impl Txn {
-    fn version_of(&mut self, info: &RelationInfo) -> u32 {
-        let found = self.versions.iter().position(|v| {
-            v.relation_id == info.schema.relation_id && v.fingerprint == info.schema.fingerprint
-        });
-        let index = found.unwrap_or_else(|| {
-            self.versions.push(info.schema.clone());
-            self.version_lens
-                .push((info.schema.relation_id, info.encoded_len));
-            self.versions.len() - 1
-        });
-        index as u32
+/// Appends a change, noting (at DEBUG1) when the transaction spills.
+fn push(txn: &mut Transaction, version: u32, body: change::Body) -> Result<(), PluginError> {
+    if txn.push(version, body)? {
+        debug1!(
+            "trellara: transaction spilled its encoded changes to disk after {} changes ({} bytes)",
+            txn.len(),
+            txn.bytes()
+        );
     }
-
-    fn push(&mut self, version: u32, body: change::Body) -> Result<(), PluginError> {
-        let change = Change {
-            sequence: self.log.len(),
-            body: Some(body),
-        };
-        self.scratch.clear();
-        change
-            .encode(&mut self.scratch)
-            .map_err(|e| PluginError::internal(format!("trellara: encoding a change: {e}")))?;
-        let spilled = self.log.spilled();
-        self.log
-            .push(version, &self.scratch)
-            .map_err(|e| PluginError::io("append to the transaction's spill file", &e))?;
-        if !spilled && self.log.spilled() {
-            debug1!(
-                "trellara: transaction spilled its encoded changes to disk after {} changes ({} bytes)",
-                self.log.len(),
-                self.log.bytes()
-            );
-        }
-        Ok(())
-    }
+    Ok(())
 }
 
 /// Per decoding context state (`ctx->output_plugin_private`).
@@ -119,7 +80,7 @@ struct State {
     source: Option<Source>,
     relations: RelationCache,
     deformer: Deformer,
-    txn: Option<Txn>,
+    txn: Option<Transaction>,
     /// Short-lived context for each change's PostgreSQL allocations.
     change_cx: pg_sys::MemoryContext,
     spill_dir: PathBuf,
@@ -374,12 +335,10 @@ unsafe extern "C-unwind" fn tr_begin(
     if let Err(err) = unsafe { source(state) } {
         err.raise();
     }
-    state.txn = Some(Txn {
-        log: ChangeLog::new(state.options.memory_budget_bytes, state.spill_dir.clone()),
-        versions: Vec::new(),
-        version_lens: Vec::new(),
-        scratch: Vec::new(),
-    });
+    state.txn = Some(Transaction::new(
+        state.options.memory_budget_bytes,
+        state.spill_dir.clone(),
+    ));
 }
 
 /// Runs `f` with CurrentMemoryContext switched to the per-change context,
@@ -549,8 +508,8 @@ unsafe fn change(
                     )));
                 }
             };
-            let version = txn.version_of(&info);
-            txn.push(version, change::Body::Row(row))
+            let version = txn.version_of(&info.schema, info.encoded_len);
+            push(txn, version, change::Body::Row(row))
         })
     }
 }
@@ -609,8 +568,9 @@ unsafe fn truncate(
         for &rel in rels {
             in_change_context(*change_cx, || {
                 let info = cache.get(rel)?;
-                let version = txn.version_of(&info);
-                txn.push(
+                let version = txn.version_of(&info.schema, info.encoded_len);
+                push(
+                    txn,
                     version,
                     change::Body::Row(RowChange {
                         relation_id: info.schema.relation_id,
@@ -659,7 +619,8 @@ unsafe extern "C-unwind" fn tr_message(
             .txn
             .as_mut()
             .ok_or_else(|| PluginError::internal("trellara: message outside a transaction"))?;
-        txn.push(
+        push(
+            txn,
             NO_RELATION,
             change::Body::Message(LogicalMessage { prefix, content }),
         )
@@ -750,8 +711,7 @@ unsafe fn commit(
     let Some(mut buffer) = state.txn.take() else {
         return Err(PluginError::internal("trellara: commit without begin"));
     };
-    let total = buffer.log.len();
-    if total == 0 {
+    if buffer.len() == 0 {
         return Ok(());
     }
     // SAFETY: commit runs inside the decoding transaction.
@@ -774,7 +734,7 @@ unsafe fn commit(
             pg_sys::GetCurrentTimestamp(),
         )
     };
-    let mut template = Envelope {
+    let template = Envelope {
         protocol_version: PROTOCOL_VERSION,
         source: Some(SourceIdentity {
             source_id: state.options.source_id.clone().unwrap_or_default(),
@@ -790,15 +750,7 @@ unsafe fn commit(
         commit_time_micros: commit_time.saturating_add(PG_EPOCH_OFFSET_MICROS),
         relations: Vec::new(),
         changes: Vec::new(),
-        boundary: Some(Boundary {
-            mode: boundary::Mode::Chunked as i32,
-            chunk_index: u32::MAX,
-            chunk_count: u32::MAX,
-            first_sequence: total,
-            total_changes: total,
-            partition: 0,
-            manifest_partitions: Vec::new(),
-        }),
+        boundary: None,
         origin,
         capture: Some(Capture {
             path: capture::Path::Native as i32,
@@ -806,92 +758,39 @@ unsafe fn commit(
             decoder: DECODER.into(),
             captured_at_micros: now.saturating_add(PG_EPOCH_OFFSET_MICROS),
         }),
-        checksum: u64::MAX,
+        checksum: 0,
     };
-    // An upper bound on everything but relations and changes: the boundary
-    // above holds the largest values it can take.
-    let base = template.encoded_len();
-    let io = |what: &'static str| move |e: std::io::Error| PluginError::io(what, &e);
-    let plans = {
-        let mut reader = buffer.log.reader().map_err(io("rewind the change log"))?;
-        spill::plan_chunks(
-            &mut reader,
-            base,
-            state.options.chunk_bytes,
-            &buffer.version_lens,
-        )
-        .map_err(io("read the change log"))?
-    };
-    let count = u32::try_from(plans.len())
-        .map_err(|_| PluginError::internal("trellara: more than u32::MAX chunks"))?;
-    let whole = count == 1;
-    let mut reader = buffer.log.reader().map_err(io("rewind the change log"))?;
-    let mut payload = Vec::new();
-    for (index, plan) in (0u32..).zip(plans.iter()) {
-        let mut changes = Vec::with_capacity(usize::try_from(plan.count).unwrap_or(0));
-        let mut used: Vec<u32> = Vec::new();
-        for _ in 0..plan.count {
-            let version = reader
-                .next_into(&mut payload)
-                .map_err(io("read the change log"))?
-                .ok_or_else(|| PluginError::internal("trellara: change log ended early"))?;
-            let change = Change::decode(payload.as_slice()).map_err(|e| {
-                PluginError::internal(format!("trellara: change log record unreadable: {e}"))
-            })?;
-            if version != NO_RELATION && !used.contains(&version) {
-                used.push(version);
+    let max_frame_bytes = state.options.max_frame_bytes;
+    let frame = &mut state.frame;
+    buffer.assemble(
+        template,
+        state.options.chunk_bytes,
+        |index, count, bytes| {
+            let last_envelope = index + 1 == count;
+            let mut frames = FrameWriter::new(commit_lsn, index, bytes, max_frame_bytes)
+                .map_err(|e| PluginError::internal(format!("trellara: framing: {e}")))?;
+            let frame_count = frames.frame_count();
+            let mut written = 0;
+            loop {
+                frame.clear();
+                if !frames.write_next(frame) {
+                    return Ok(());
+                }
+                written += 1;
+                let last = last_envelope && written == frame_count;
+                let len = c_int::try_from(frame.len())
+                    .map_err(|_| PluginError::internal("trellara: frame too long"))?;
+                // SAFETY: writes are accepted in the commit callback; the
+                // writer's prepare_write resets or prefixes ctx->out, then we
+                // append exactly one frame and hand it to the writer.
+                unsafe {
+                    pg_sys::OutputPluginPrepareWrite(ctx, last);
+                    pg_sys::appendBinaryStringInfo((*ctx).out, frame.as_ptr().cast(), len);
+                    pg_sys::OutputPluginWrite(ctx, last);
+                }
             }
-            changes.push(change);
-        }
-        template.relations = used
-            .iter()
-            .filter_map(|v| buffer.versions.get(*v as usize).cloned())
-            .collect();
-        template.changes = changes;
-        template.boundary = Some(Boundary {
-            mode: if whole {
-                boundary::Mode::Whole
-            } else {
-                boundary::Mode::Chunked
-            } as i32,
-            chunk_index: index,
-            chunk_count: count,
-            first_sequence: plan.first_sequence,
-            total_changes: total,
-            partition: 0,
-            manifest_partitions: Vec::new(),
-        });
-        template.checksum = 0;
-        let bytes = envelope::encode(&template).map_err(|e| {
-            PluginError::internal(format!(
-                "trellara: transaction {xid} (commit {commit_lsn:X}) does not form a valid envelope: {e}"
-            ))
-        })?;
-        let last_envelope = index + 1 == count;
-        let mut frames = FrameWriter::new(commit_lsn, index, &bytes, state.options.max_frame_bytes)
-            .map_err(|e| PluginError::internal(format!("trellara: framing: {e}")))?;
-        let frame_count = frames.frame_count();
-        let mut written = 0;
-        loop {
-            state.frame.clear();
-            if !frames.write_next(&mut state.frame) {
-                break;
-            }
-            written += 1;
-            let last = last_envelope && written == frame_count;
-            let len = c_int::try_from(state.frame.len())
-                .map_err(|_| PluginError::internal("trellara: frame too long"))?;
-            // SAFETY: writes are accepted in the commit callback; the
-            // writer's prepare_write resets or prefixes ctx->out, then we
-            // append exactly one frame and hand it to the writer.
-            unsafe {
-                pg_sys::OutputPluginPrepareWrite(ctx, last);
-                pg_sys::appendBinaryStringInfo((*ctx).out, state.frame.as_ptr().cast(), len);
-                pg_sys::OutputPluginWrite(ctx, last);
-            }
-        }
-    }
-    Ok(())
+        },
+    )
 }
 
 fn two_phase_error(callback: &str, txn: *mut pg_sys::ReorderBufferTXN) -> PluginError {
