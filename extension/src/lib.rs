@@ -4,8 +4,8 @@
 //! ```text
 //!  WAL ─▶ logical decoding (reorder buffer) ─▶ plugin.rs: `trellara` output plugin
 //!                                               │ one Envelope v1 per committed txn
-//!                                               │ (chunked beyond chunk_bytes; spill.rs
-//!                                               │  keeps memory bounded)
+//!                                               │ (assemble.rs: chunked beyond chunk_bytes;
+//!                                               │  spill.rs: memory bounded by a budget)
 //!                                               ▼
 //!                                 native frames (trellara_common::native_frame)
 //!                                               │ one OutputPluginWrite per frame
