@@ -97,6 +97,74 @@ impl std::fmt::Debug for Applier {
     }
 }
 
+/// Source transactions per target transaction, and rows: bounded so a
+/// batch's target transaction stays short.
+const BATCH_TRANSACTIONS: usize = 500;
+const BATCH_ROWS: usize = 20_000;
+/// PostgreSQL's bind parameter limit, and rows per multi-row INSERT.
+const MAX_PARAMS: usize = 65_535;
+const MAX_INSERT_ROWS: usize = 500;
+
+/// One source transaction read from the log: its envelope(s) and where it
+/// ends in the log.
+struct SourceTxn {
+    envelopes: Vec<Envelope>,
+    last_offset: u64,
+    commit_lsn: u64,
+    rows: usize,
+}
+
+enum Next {
+    Txn(SourceTxn),
+    /// (offset, commit LSN, reason, payload) of an envelope that fails to decode.
+    Broken((u64, u64, String, Vec<u8>)),
+    /// The log ends, or the rest of a chunked transaction is not durable yet.
+    End,
+}
+
+/// Reads the next whole transaction (all its chunks) from `reader`.
+fn next_transaction(reader: &mut crate::log::Reader<FsStorage>) -> Result<Next, ApplyError> {
+    let mut envelopes = Vec::new();
+    loop {
+        let Some(record) = reader.next().transpose()? else {
+            return Ok(Next::End);
+        };
+        match envelope::decode(&record.payload) {
+            Ok(env) => {
+                let done = env
+                    .boundary
+                    .as_ref()
+                    .is_none_or(|b| b.chunk_index + 1 >= b.chunk_count);
+                envelopes.push(env);
+                if done {
+                    let rows = envelopes.iter().map(|e| e.changes.len()).sum();
+                    return Ok(Next::Txn(SourceTxn {
+                        envelopes,
+                        last_offset: record.offset,
+                        commit_lsn: record.commit_lsn,
+                        rows,
+                    }));
+                }
+            }
+            Err(e) => {
+                return Ok(Next::Broken((
+                    record.offset,
+                    record.commit_lsn,
+                    e.to_string(),
+                    record.payload,
+                )));
+            }
+        }
+    }
+}
+
+fn add(total: &mut ApplyStats, part: ApplyStats) {
+    total.transactions += part.transactions;
+    total.duplicates_skipped += part.duplicates_skipped;
+    total.rows += part.rows;
+    total.quarantine_resolved += part.quarantine_resolved;
+}
+
 /// The log consumer name of a flow's applier.
 pub fn cursor_name(flow: &str) -> String {
     format!("applier-{flow}")
@@ -122,74 +190,86 @@ impl Applier {
         &self.client
     }
 
-    /// Applies every record of `log` past this flow's cursor.
+    /// Applies every record of `log` past this flow's cursor, several
+    /// source transactions per target transaction (never splitting one).
     pub async fn apply_log(&mut self, log: &Log<FsStorage>) -> Result<ApplyStats, ApplyError> {
         let name = cursor_name(&self.flow);
         let start = log.register_consumer(&name)?;
         let mut stats = ApplyStats::default();
         let mut reader = log.read_from(start.next_offset)?;
-        // One source transaction at a time: a whole envelope or all its chunks.
-        while let Some(first) = reader.next().transpose()? {
-            let mut records = vec![first];
-            let mut envelopes = Vec::new();
+        loop {
+            let mut batch: Vec<SourceTxn> = Vec::new();
+            let mut rows = 0usize;
             let mut broken = None;
-            while let Some(last) = records.last() {
-                match envelope::decode(&last.payload) {
-                    Ok(env) => {
-                        let done = env
-                            .boundary
-                            .as_ref()
-                            .is_none_or(|b| b.chunk_index + 1 >= b.chunk_count);
-                        envelopes.push(env);
-                        if done {
-                            break;
-                        }
+            while batch.len() < BATCH_TRANSACTIONS && rows < BATCH_ROWS {
+                match next_transaction(&mut reader)? {
+                    Next::Txn(txn) => {
+                        rows += txn.rows;
+                        batch.push(txn);
                     }
-                    Err(e) => {
-                        broken = Some(format!(
-                            "envelope at log offset {} is invalid: {e}",
-                            last.offset
-                        ));
+                    Next::Broken(b) => {
+                        broken = Some(b);
                         break;
                     }
-                }
-                match reader.next().transpose()? {
-                    Some(next) => records.push(next),
-                    None => {
-                        // The rest of the chunks are not durable yet.
-                        return Ok(stats);
-                    }
+                    Next::End => break,
                 }
             }
-            let last = records.last().map(|r| (r.offset, r.commit_lsn));
-            let Some((last_offset, commit_lsn)) = last else {
-                break;
-            };
-            if let Some(reason) = broken {
-                let payload = records
-                    .last()
-                    .map(|r| r.payload.clone())
-                    .unwrap_or_default();
+            if !batch.is_empty() {
+                self.apply_batch(log, &name, &batch, &mut stats).await?;
+            }
+            if let Some((offset, commit_lsn, reason, payload)) = broken {
+                let reason = format!("envelope at log offset {offset} is invalid: {reason}");
                 return Err(self
                     .quarantine(Lsn(commit_lsn), 0, reason, &payload)
                     .await?);
             }
-            match self.apply_transaction(&envelopes, &mut stats).await {
-                Ok(()) => {}
-                Err(Refusal(reason)) => {
-                    let bytes = envelopes
-                        .first()
-                        .and_then(|e| envelope::encode(e).ok())
-                        .unwrap_or_default();
-                    let xid = envelopes.first().map_or(0, |e| e.xid);
-                    return Err(self
-                        .quarantine(Lsn(commit_lsn), xid, reason, &bytes)
-                        .await?);
-                }
+            if batch.is_empty() {
+                return Ok(stats);
             }
-            log.commit_cursor(&name, CursorPosition::after(last_offset, commit_lsn))?;
         }
-        Ok(stats)
+    }
+
+    /// One target transaction for the whole batch; if it is refused, each
+    /// transaction alone, so the one that cannot apply is the one
+    /// quarantined and every one before it lands.
+    async fn apply_batch(
+        &mut self,
+        log: &Log<FsStorage>,
+        cursor: &str,
+        batch: &[SourceTxn],
+        stats: &mut ApplyStats,
+    ) -> Result<(), ApplyError> {
+        let mut tentative = ApplyStats::default();
+        let single = batch.len() == 1;
+        match self.apply_transactions(batch, &mut tentative).await {
+            Ok(()) => {
+                add(stats, tentative);
+                if let Some(last) = batch.last() {
+                    log.commit_cursor(
+                        cursor,
+                        CursorPosition::after(last.last_offset, last.commit_lsn),
+                    )?;
+                }
+                return Ok(());
+            }
+            Err(Refusal(reason)) if single => {
+                let txn = &batch[0];
+                let bytes = txn
+                    .envelopes
+                    .first()
+                    .and_then(|e| envelope::encode(e).ok())
+                    .unwrap_or_default();
+                let xid = txn.envelopes.first().map_or(0, |e| e.xid);
+                return Err(self
+                    .quarantine(Lsn(txn.commit_lsn), xid, reason, &bytes)
+                    .await?);
+            }
+            Err(_) => {}
+        }
+        for txn in batch {
+            Box::pin(self.apply_batch(log, cursor, std::slice::from_ref(txn), stats)).await?;
+        }
+        Ok(())
     }
 
     async fn quarantine(
@@ -229,15 +309,11 @@ impl Applier {
         })
     }
 
-    async fn apply_transaction(
+    async fn apply_transactions(
         &mut self,
-        envelopes: &[Envelope],
+        batch: &[SourceTxn],
         stats: &mut ApplyStats,
     ) -> Result<(), Refusal> {
-        let Some(head) = envelopes.first() else {
-            return Ok(());
-        };
-        let commit = Lsn(head.commit_lsn).to_string();
         self.client.batch_execute("BEGIN").await?;
         let result = async {
             let row = self
@@ -248,64 +324,64 @@ impl Applier {
                 )
                 .await?;
             let checkpoint: Option<Lsn> = row.and_then(|r| r.get::<_, String>(0).parse().ok());
-            if checkpoint.is_some_and(|c| c >= Lsn(head.commit_lsn)) {
+            let mut applied: Vec<&SourceTxn> = Vec::new();
+            for txn in batch {
+                if checkpoint.is_some_and(|c| c >= Lsn(txn.commit_lsn)) {
+                    stats.duplicates_skipped += 1;
+                    continue;
+                }
+                for env in &txn.envelopes {
+                    self.apply_envelope(env, stats).await?;
+                }
+                applied.push(txn);
+            }
+            if let Some(last) = applied.last() {
+                let head = last.envelopes.first();
+                let end_lsn = last.envelopes.last().map_or(last.commit_lsn, |e| e.end_lsn);
                 self.client
                     .execute(
-                        "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + 1 WHERE flow = $1",
-                        &[&self.flow],
+                        "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid, transactions, duplicates_skipped)
+                         VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, $5, $6, $7)
+                         ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
+                            commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = EXCLUDED.xid,
+                            transactions = c.transactions + EXCLUDED.transactions,
+                            duplicates_skipped = c.duplicates_skipped + EXCLUDED.duplicates_skipped,
+                            updated_at = now()",
+                        &[
+                            &self.flow,
+                            &self.source_id,
+                            &Lsn(last.commit_lsn).to_string(),
+                            &Lsn(end_lsn).to_string(),
+                            &(head.map_or(0, |e| e.xid) as i64),
+                            &(applied.len() as i64),
+                            &(stats.duplicates_skipped as i64),
+                        ],
                     )
                     .await?;
-                stats.duplicates_skipped += 1;
-                return Ok(false);
+                let commits: Vec<String> = applied.iter().map(|t| Lsn(t.commit_lsn).to_string()).collect();
+                stats.quarantine_resolved += self
+                    .client
+                    .execute(
+                        "UPDATE trellara.quarantine SET resolved_at = now()
+                         WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL",
+                        &[&self.flow, &commits],
+                    )
+                    .await?;
+            } else if stats.duplicates_skipped > 0 {
+                self.client
+                    .execute(
+                        "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + $2 WHERE flow = $1",
+                        &[&self.flow, &(stats.duplicates_skipped as i64)],
+                    )
+                    .await?;
             }
-            for env in envelopes {
-                let relations: HashMap<u32, &RelationSchema> =
-                    env.relations.iter().map(|r| (r.relation_id, r)).collect();
-                for ch in &env.changes {
-                    if let Some(change::Body::Row(row)) = &ch.body {
-                        let relation = relations.get(&row.relation_id).ok_or_else(|| {
-                            Refusal(format!("change {} names relation {} without schema", ch.sequence, row.relation_id))
-                        })?;
-                        self.apply_row(relation, row).await?;
-                        stats.rows += 1;
-                    }
-                }
-            }
-            let tail = envelopes.last().unwrap_or(head);
-            self.client
-                .execute(
-                    "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid, transactions)
-                     VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, $5, 1)
-                     ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
-                        commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = EXCLUDED.xid,
-                        transactions = c.transactions + 1, updated_at = now()",
-                    &[
-                        &self.flow,
-                        &self.source_id,
-                        &commit,
-                        &Lsn(tail.end_lsn).to_string(),
-                        &(head.xid as i64),
-                    ],
-                )
-                .await?;
-            let resolved = self
-                .client
-                .execute(
-                    "UPDATE trellara.quarantine SET resolved_at = now()
-                     WHERE flow = $1 AND commit_lsn = $2::text::pg_lsn AND resolved_at IS NULL",
-                    &[&self.flow, &commit],
-                )
-                .await?;
-            stats.quarantine_resolved += resolved;
-            Ok::<bool, Refusal>(true)
+            stats.transactions += applied.len() as u64;
+            Ok::<(), Refusal>(())
         }
         .await;
         match result {
-            Ok(applied) => {
+            Ok(()) => {
                 self.client.batch_execute("COMMIT").await?;
-                if applied {
-                    stats.transactions += 1;
-                }
                 Ok(())
             }
             Err(refusal) => {
@@ -313,6 +389,91 @@ impl Applier {
                 Err(refusal)
             }
         }
+    }
+
+    /// Applies one envelope's rows; runs of inserts into one table go as
+    /// multi-row INSERTs.
+    async fn apply_envelope(
+        &mut self,
+        env: &Envelope,
+        stats: &mut ApplyStats,
+    ) -> Result<(), Refusal> {
+        let relations: HashMap<u32, &RelationSchema> =
+            env.relations.iter().map(|r| (r.relation_id, r)).collect();
+        let mut run: Vec<&RowChange> = Vec::new();
+        for ch in &env.changes {
+            let Some(change::Body::Row(row)) = &ch.body else {
+                continue;
+            };
+            let relation = *relations.get(&row.relation_id).ok_or_else(|| {
+                Refusal(format!(
+                    "change {} names relation {} without schema",
+                    ch.sequence, row.relation_id
+                ))
+            })?;
+            let insert = row.operation == Operation::Insert as i32;
+            let limit = (MAX_PARAMS / relation.columns.len().max(1)).min(MAX_INSERT_ROWS);
+            if let Some(first) = run.first()
+                && (!insert || first.relation_id != row.relation_id || run.len() >= limit)
+            {
+                let rel = relations
+                    .get(&first.relation_id)
+                    .copied()
+                    .unwrap_or(relation);
+                self.insert_rows(rel, &run).await?;
+                run.clear();
+            }
+            if insert {
+                run.push(row);
+            } else {
+                self.apply_row(relation, row).await?;
+            }
+            stats.rows += 1;
+        }
+        if let Some(first) = run.first()
+            && let Some(rel) = relations.get(&first.relation_id)
+        {
+            self.insert_rows(rel, &run).await?;
+        }
+        Ok(())
+    }
+
+    async fn insert_rows(
+        &mut self,
+        relation: &RelationSchema,
+        rows: &[&RowChange],
+    ) -> Result<(), Refusal> {
+        let table = self.target_table(relation).await?;
+        let columns: Vec<String> = relation
+            .columns
+            .iter()
+            .map(|c| quote_ident(&c.name))
+            .collect();
+        let mut params: Vec<Option<String>> = Vec::with_capacity(rows.len() * columns.len());
+        let mut tuples = Vec::with_capacity(rows.len());
+        for row in rows {
+            let mut values = Vec::with_capacity(columns.len());
+            for (col, v) in relation.columns.iter().zip(&row.after) {
+                params.push(text_of(v)?);
+                values.push(format!(
+                    "${}::text::{}",
+                    params.len(),
+                    table.types.get(&col.name).map_or("text", String::as_str)
+                ));
+            }
+            tuples.push(format!("({})", values.join(", ")));
+        }
+        let sql = format!(
+            "INSERT INTO {} ({}) VALUES {}",
+            table.qualified,
+            columns.join(", "),
+            tuples.join(", ")
+        );
+        let statement = self.statement(sql, params.len()).await?;
+        let refs: Vec<&(dyn ToSql + Sync)> =
+            params.iter().map(|p| p as &(dyn ToSql + Sync)).collect();
+        self.client.execute(&statement, &refs).await?;
+        Ok(())
     }
 
     async fn target_table(&mut self, relation: &RelationSchema) -> Result<TargetTable, Refusal> {
