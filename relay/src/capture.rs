@@ -283,9 +283,39 @@ async fn session(
         pinned: config.pinned.clone(),
     });
     let mut in_stream_block = false;
-    let mut encoded = Vec::new();
+    // Group commit: envelopes decoded from data already received are
+    // appended together, one fsync for the batch, and acknowledged after it.
+    let mut batch = Batch::default();
     tracing::info!(slot = %config.slot, from = %resume.ack_lsn, "streaming");
     loop {
+        if !batch.records.is_empty() {
+            let full = batch.bytes >= BATCH_BYTES || batch.records.len() >= BATCH_RECORDS;
+            // recv is cancel-safe: polling it once loses nothing.
+            let ready = if full {
+                None
+            } else {
+                futures_util::FutureExt::now_or_never(stream.recv())
+            };
+            match ready {
+                Some(ev) => {
+                    let ev = ev?.ok_or(WireError::Closed)?;
+                    handle_event(
+                        ev,
+                        config,
+                        &mut assembler,
+                        &mut in_stream_block,
+                        &mut batch,
+                        resume,
+                        stats,
+                        log,
+                        &mut stream,
+                    )
+                    .await?;
+                    continue;
+                }
+                None => batch.flush(log, &mut stream, stats)?,
+            }
+        }
         let event = tokio::select! {
             ev = stream.recv() => match ev? {
                 Some(ev) => Some(ev),
@@ -300,66 +330,19 @@ async fn session(
                 return Ok(());
             }
         };
-        match event {
-            Some(ReplicationEvent::XLogData { start, data, .. }) => {
-                let ctx = DecodeContext {
-                    version: config.proto_version,
-                    in_stream_block,
-                };
-                let message = pgoutput::decode(&data, ctx)?;
-                match message {
-                    Message::StreamStart(_) => in_stream_block = true,
-                    Message::StreamStop => in_stream_block = false,
-                    _ => {}
-                }
-                let mut emit = |env: Envelope| -> Result<(), crate::log::Error> {
-                    if Lsn(env.commit_lsn) <= resume.commit_lsn {
-                        stats.duplicates_skipped += 1;
-                        return Ok(());
-                    }
-                    encoded.clear();
-                    // The assembler validated it; encode cannot fail.
-                    if envelope::encode_into(&env, &mut encoded).is_ok() {
-                        log.append(env.commit_lsn, &encoded)?;
-                        stats.envelopes += 1;
-                    }
-                    let last_chunk = env
-                        .boundary
-                        .as_ref()
-                        .is_none_or(|b| b.chunk_index + 1 == b.chunk_count);
-                    if last_chunk {
-                        stream.set_durable(Lsn(env.end_lsn));
-                    }
-                    Ok(())
-                };
-                match assembler.handle(message, start.0, &mut emit) {
-                    Ok(()) => {}
-                    Err(AssembleOrSink::Assembly(e)) => return Err(e.into()),
-                    Err(AssembleOrSink::Sink(e)) => return Err(e.into()),
-                }
-            }
-            Some(ReplicationEvent::Keepalive {
-                wal_end,
-                reply_requested,
-            }) => {
-                // Everything up to wal_end was sent and processed; with
-                // nothing open here, no committed transaction lies below it
-                // that is not durable. Record the advance durably first.
-                if !assembler.in_transaction() && wal_end > stream.durable() {
-                    log.commit_cursor(
-                        SOURCE_ACK,
-                        CursorPosition {
-                            next_offset: log.next_offset(),
-                            last_commit_lsn: Some(wal_end.0),
-                        },
-                    )?;
-                    stream.set_durable(wal_end);
-                }
-                if reply_requested {
-                    stream.send_status().await?;
-                }
-            }
-            None => {}
+        if let Some(ev) = event {
+            handle_event(
+                ev,
+                config,
+                &mut assembler,
+                &mut in_stream_block,
+                &mut batch,
+                resume,
+                stats,
+                log,
+                &mut stream,
+            )
+            .await?;
         }
         if stream.status_due(config.status_interval) {
             stream.send_status().await?;
@@ -373,6 +356,124 @@ async fn session(
             });
         }
     }
+}
+
+/// Appends gathered in one durability wait.
+const BATCH_BYTES: usize = 8 << 20;
+const BATCH_RECORDS: usize = 1000;
+
+/// Envelopes assembled but not yet appended.
+#[derive(Debug, Default)]
+struct Batch {
+    records: Vec<(u64, Vec<u8>)>,
+    bytes: usize,
+    /// End LSN of the last complete transaction in the batch.
+    ack: Option<Lsn>,
+}
+
+impl Batch {
+    /// Appends everything (one fsync), then lets the source position move.
+    fn flush(
+        &mut self,
+        log: &Log<FsStorage>,
+        stream: &mut trellara_external_relay::pgwire::ReplicationStream,
+        stats: &mut CaptureStats,
+    ) -> Result<(), crate::log::Error> {
+        if !self.records.is_empty() {
+            log.append_batch(
+                self.records
+                    .iter()
+                    .map(|(lsn, bytes)| (*lsn, bytes.as_slice())),
+            )?;
+            stats.envelopes += self.records.len() as u64;
+        }
+        if let Some(ack) = self.ack.take() {
+            stream.set_durable(ack);
+        }
+        self.records.clear();
+        self.bytes = 0;
+        Ok(())
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn handle_event(
+    event: ReplicationEvent,
+    config: &CaptureConfig,
+    assembler: &mut Assembler,
+    in_stream_block: &mut bool,
+    batch: &mut Batch,
+    resume: Resume,
+    stats: &mut CaptureStats,
+    log: &Log<FsStorage>,
+    stream: &mut trellara_external_relay::pgwire::ReplicationStream,
+) -> Result<(), CaptureError> {
+    match event {
+        ReplicationEvent::XLogData { start, data, .. } => {
+            let ctx = DecodeContext {
+                version: config.proto_version,
+                in_stream_block: *in_stream_block,
+            };
+            let message = pgoutput::decode(&data, ctx)?;
+            match message {
+                Message::StreamStart(_) => *in_stream_block = true,
+                Message::StreamStop => *in_stream_block = false,
+                _ => {}
+            }
+            let mut emit = |env: Envelope| -> Result<(), crate::log::Error> {
+                if Lsn(env.commit_lsn) <= resume.commit_lsn {
+                    stats.duplicates_skipped += 1;
+                    return Ok(());
+                }
+                // The assembler validated it; encode cannot fail.
+                if let Ok(bytes) = envelope::encode(&env) {
+                    batch.bytes += bytes.len();
+                    batch.records.push((env.commit_lsn, bytes));
+                }
+                let last_chunk = env
+                    .boundary
+                    .as_ref()
+                    .is_none_or(|b| b.chunk_index + 1 == b.chunk_count);
+                if last_chunk {
+                    batch.ack = Some(Lsn(env.end_lsn));
+                }
+                Ok(())
+            };
+            match assembler.handle(message, start.0, &mut emit) {
+                Ok(()) => {}
+                Err(AssembleOrSink::Assembly(e)) => return Err(e.into()),
+                Err(AssembleOrSink::Sink(e)) => return Err(e.into()),
+            }
+            // A chunked transaction's chunks may exceed the batch: flush as
+            // they come so memory stays bounded.
+            if batch.bytes >= BATCH_BYTES {
+                batch.flush(log, stream, stats)?;
+            }
+        }
+        ReplicationEvent::Keepalive {
+            wal_end,
+            reply_requested,
+        } => {
+            // Everything up to wal_end was sent and processed; with nothing
+            // open here and everything appended, no committed transaction
+            // lies below it that is not durable. Record the advance first.
+            batch.flush(log, stream, stats)?;
+            if !assembler.in_transaction() && wal_end > stream.durable() {
+                log.commit_cursor(
+                    SOURCE_ACK,
+                    CursorPosition {
+                        next_offset: log.next_offset(),
+                        last_commit_lsn: Some(wal_end.0),
+                    },
+                )?;
+                stream.set_durable(wal_end);
+            }
+            if reply_requested {
+                stream.send_status().await?;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_slot(
