@@ -50,13 +50,20 @@ enum CaptureArg {
 #[derive(Debug, clap::Args)]
 pub struct CheckArgs {
     /// Validate this config offline (no database is contacted).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "database_url")]
     config: Option<PathBuf>,
-    /// Grade a live source instead (read-only): see `trellara-check`.
-    #[arg(long)]
+    /// Grade a live source instead, read-only (the `trellara-check` grader).
+    #[arg(long, env = "TRELLARA_SOURCE_DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
-    #[arg(long, value_enum, default_value_t)]
-    format: Format,
+    /// With --database-url: tables to be captured (schema.table).
+    #[arg(long = "table")]
+    tables: Vec<String>,
+    /// With --database-url: seconds to sample the WAL rate.
+    #[arg(long, default_value_t = 5)]
+    sample_seconds: u64,
+    /// text, json, or (with --database-url) html.
+    #[arg(long, default_value = "text", value_parser = ["text", "json", "html"])]
+    format: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -192,12 +199,21 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
 
 pub fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
     let Some(path) = args.config else {
-        if args.database_url.is_some() {
+        let Some(url) = args.database_url else {
             anyhow::bail!(
-                "grading a live source is `trellara-check URL` (the read-only grader); `trellara check --database-url` joins it when the grader lands"
+                "pass --config trellara.yml to validate a config offline, or --database-url URL to grade a source"
             );
-        }
-        anyhow::bail!("pass --config trellara.yml to validate a config offline");
+        };
+        let request = trellara_check::Request {
+            tables: args.tables,
+            sample: Duration::from_secs(args.sample_seconds),
+        };
+        return grade(&url, &request, &args.format);
+    };
+    let format = if args.format == "json" {
+        Format::Json
+    } else {
+        Format::Text
     };
     let text = std::fs::read_to_string(&path).with_context(|| {
         format!(
@@ -213,7 +229,7 @@ pub fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
             "fix the YAML".into(),
         )],
     };
-    match args.format {
+    match format {
         Format::Json => println!(
             "{}",
             serde_json::to_string_pretty(
@@ -234,6 +250,40 @@ pub fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// The read-only grader: exit 0 ready, 3 blocked, 2 could not assess.
+fn grade(url: &str, request: &trellara_check::Request, format: &str) -> anyhow::Result<ExitCode> {
+    let mut options: trellara_check::ConnectOptions = match url.parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("error: --database-url: {e}");
+            return Ok(ExitCode::from(EXIT_ERROR));
+        }
+    };
+    options.replication = false;
+    options.application_name = "trellara-check".into();
+    match runtime()?.block_on(trellara_check::assess(&options, request)) {
+        Ok(report) => {
+            let out = match format {
+                "json" => trellara_check::render_json(&report),
+                "html" => trellara_check::render_html(&report),
+                _ => trellara_check::render_text(&report),
+            };
+            print!("{out}");
+            Ok(ExitCode::from(report.exit_code() as u8))
+        }
+        Err(err) => {
+            let mut message = err.to_string();
+            let mut source = std::error::Error::source(&err);
+            while let Some(s) = source {
+                message.push_str(&format!(": {s}"));
+                source = s.source();
+            }
+            eprintln!("error: {message}");
+            Ok(ExitCode::from(err.exit_code() as u8))
+        }
+    }
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -473,6 +523,8 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// Exit status of preflight: 0 ready, 3 blocked, 2 could not check.
+/// The source side is the read-only grader for the flow's tables; the
+/// target side checks every table exists with compatible columns.
 pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
     let outcome = (|| {
         let config = config::load(&args.config)?;
@@ -482,11 +534,18 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
             let found = rt
                 .block_on(async {
                     let (source_url, target_url) = flow::urls(f, index)?;
+                    let mut options: trellara_check::ConnectOptions = source_url.parse()?;
+                    options.replication = false;
+                    options.application_name = "trellara-check".into();
+                    let request = trellara_check::Request {
+                        tables: f.tables.clone(),
+                        sample: Duration::from_secs(1),
+                    };
+                    let report = trellara_check::assess(&options, &request).await?;
                     let source = flow::connect(&source_url, "source").await?;
                     let target = flow::connect(&target_url, "target").await?;
-                    let mut all = crate::preflight::source(f, &source).await?;
-                    all.extend(crate::preflight::target(f, &source, &target).await?);
-                    anyhow::Ok(all)
+                    let targets = crate::preflight::target(f, &source, &target).await?;
+                    anyhow::Ok((report, targets))
                 })
                 .with_context(|| format!("preflight flow {}", f.name))?;
             findings.push((f.name.clone(), found));
@@ -500,40 +559,44 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_ERROR));
         }
     };
-    let blocked = findings.iter().flat_map(|(_, f)| f).any(|f| f.blocking);
+    let blocked = findings.iter().any(|(_, (report, targets))| {
+        report.verdict() != trellara_check::Verdict::Ready || targets.iter().any(|f| f.blocking)
+    });
     match args.format {
-        Format::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(&json!({
-                "ready": !blocked,
-                "flows": findings.iter().map(|(n, f)| json!({"flow": n, "findings": f})).collect::<Vec<_>>(),
-            }))?
-        ),
+        Format::Json => {
+            let flows: Vec<_> = findings
+                .iter()
+                .map(|(n, (report, targets))| {
+                    json!({
+                        "flow": n,
+                        "source": serde_json::from_str::<serde_json::Value>(&trellara_check::render_json(report)).unwrap_or_default(),
+                        "target": targets,
+                    })
+                })
+                .collect();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&json!({"ready": !blocked, "flows": flows}))?
+            );
+        }
         Format::Text => {
-            let mut actions = Vec::new();
-            for (name, list) in &findings {
-                println!("flow {name}");
+            for (name, (report, list)) in &findings {
+                println!("flow {name}: source (read-only grade)");
+                for line in trellara_check::render_text(report).lines() {
+                    println!("  {line}");
+                }
+                println!("flow {name}: target");
                 for f in list {
                     println!(
-                        "  {} {:<8} {:<32} {}",
-                        if f.ok {
-                            "ok  "
-                        } else if f.blocking {
-                            "FAIL"
-                        } else {
-                            "note"
-                        },
-                        f.side,
+                        "  {} {:<32} {}",
+                        if f.ok { "ok  " } else { "FAIL" },
                         f.check,
                         f.detail
                     );
                     if let Some(a) = &f.action {
-                        actions.push(a.clone());
+                        println!("       action: {a}");
                     }
                 }
-            }
-            for (i, a) in actions.iter().enumerate() {
-                println!("action {}: {a}", i + 1);
             }
             println!(
                 "{} · nothing was created",
