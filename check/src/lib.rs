@@ -28,7 +28,7 @@ pub mod report;
 pub use report::{
     NOTHING_CREATED, Report, Severity, Verdict, render_html, render_json, render_text,
 };
-pub use trellara_external_relay::pgwire::{ConnectOptions, WireError};
+pub use trellara_pgwire::{ConnectOptions, WireError};
 
 use std::time::Duration;
 

@@ -22,7 +22,7 @@ use crate::report::{
 };
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-use trellara_external_relay::pgwire::{ConnectOptions, Connection, Row, WireError, quote_literal};
+use trellara_pgwire::{ConnectOptions, Connection, Row, WireError, quote_literal};
 
 /// Application name of the grader's session (`pg_stat_activity`, logs).
 pub const APPLICATION_NAME: &str = "trellara-check";

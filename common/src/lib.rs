@@ -3,9 +3,12 @@
 //! fingerprints ([`fingerprint`]) and the native extension's frames
 //! ([`native_frame`]).
 
+#[cfg(feature = "envelope")]
 pub mod envelope;
+#[cfg(feature = "envelope")]
 pub mod fingerprint;
 pub mod lsn;
+#[cfg(feature = "envelope")]
 pub mod native_frame;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod sample;

@@ -8,7 +8,9 @@
 
 pub mod assembler;
 pub mod pgoutput;
-pub mod pgwire;
+/// The replication client lives in its own small crate (the read-only
+/// grader uses it too); re-exported here where capture expects it.
+pub use trellara_pgwire as pgwire;
 mod spool;
 
 pub use assembler::{AssembleOrSink, Assembler, AssemblerConfig, AssemblerStats, AssemblyError};

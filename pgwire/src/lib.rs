@@ -1,4 +1,5 @@
-//! A small PostgreSQL replication-protocol client on `postgres-protocol`'s
+//! A small PostgreSQL client (replication sessions and plain read-only
+//! ones) on `postgres-protocol`'s
 //! codecs: TLS (rustls, ring), SCRAM-SHA-256, `replication=database`
 //! sessions, replication commands, and the CopyBoth stream of
 //! `START_REPLICATION`. tokio-postgres has no replication mode, and the
