@@ -158,7 +158,8 @@ fn next_transaction(reader: &mut crate::log::Reader<FsStorage>) -> Result<Next, 
     }
 }
 
-fn add(total: &mut ApplyStats, part: ApplyStats) {
+/// Adds `part` into `total`.
+pub fn accumulate(total: &mut ApplyStats, part: ApplyStats) {
     total.transactions += part.transactions;
     total.duplicates_skipped += part.duplicates_skipped;
     total.rows += part.rows;
@@ -243,7 +244,7 @@ impl Applier {
         let single = batch.len() == 1;
         match self.apply_transactions(batch, &mut tentative).await {
             Ok(()) => {
-                add(stats, tentative);
+                accumulate(stats, tentative);
                 if let Some(last) = batch.last() {
                     log.commit_cursor(
                         cursor,

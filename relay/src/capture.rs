@@ -160,11 +160,21 @@ pub async fn run(
     config: CaptureConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<CaptureStats, CaptureError> {
-    use futures_util::FutureExt;
     let (log, report) = Log::open(FsStorage::new(), &config.log_dir, LogConfig::default())?;
     if let Some(torn) = &report.torn_tail {
         tracing::warn!(segment = %torn.segment.display(), bytes = torn.truncated_bytes, "cut torn log tail left by a crash");
     }
+    run_on(config, &log, shutdown).await
+}
+
+/// Like [`run`], on a log the caller opened (and may read concurrently, as
+/// the applier does in `trellara run`).
+pub async fn run_on(
+    config: CaptureConfig,
+    log: &Log<FsStorage>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<CaptureStats, CaptureError> {
+    use futures_util::FutureExt;
     log.register_consumer(SOURCE_ACK)?;
     let mut stats = CaptureStats::default();
     let mut backoff = Duration::from_millis(250);
@@ -172,7 +182,7 @@ pub async fn run(
     let mut shutdown = std::pin::pin!(shutdown.fuse());
     loop {
         let mut stopped = false;
-        let result = session(&config, &log, &mut stats, shutdown.as_mut(), &mut stopped).await;
+        let result = session(&config, log, &mut stats, shutdown.as_mut(), &mut stopped).await;
         if stopped {
             return result.map(|()| stats);
         }

@@ -119,11 +119,14 @@ pub async fn request_reseed(flow: &Flow, index: usize, reason: &str) -> Result<(
     Ok(())
 }
 
-/// One round: snapshot if needed, capture until caught up, apply.
+/// Snapshot if needed, then capture and apply together until caught up
+/// with the source's WAL position at the start (or, with `follow`, until
+/// SIGTERM or Ctrl-C).
 pub async fn run_once(
     flow: &Flow,
     index: usize,
     config_path: &str,
+    follow: bool,
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
     let log_dir = flow
@@ -198,14 +201,64 @@ pub async fn run_once(
         pinned: HashMap::new(),
         progress: Some(Arc::new(tx)),
     };
-    progress(&format!(
-        "capture: streaming slot {} until {goal}",
-        flow.slot()
-    ));
-    let caught_up = async move {
-        let _ = rx.wait_for(|durable| *durable >= goal).await;
+    if follow {
+        progress(&format!(
+            "capture: following slot {} until SIGTERM",
+            flow.slot()
+        ));
+    } else {
+        progress(&format!(
+            "capture: streaming slot {} until {goal}",
+            flow.slot()
+        ));
+    }
+    // Capture and apply run together on one log: the applier takes what
+    // is durable while capture continues, and finishes after capture stops.
+    let (log, report_open) = Log::open(FsStorage::new(), &log_dir, LogConfig::default())?;
+    if let Some(torn) = &report_open.torn_tail {
+        progress(&format!(
+            "log: cut a torn tail of {} bytes left by a crash",
+            torn.truncated_bytes
+        ));
+    }
+    let (failed_tx, mut failed_rx) = tokio::sync::watch::channel(false);
+    let (done_tx, mut done_rx) = tokio::sync::watch::channel(false);
+    let stop = async move {
+        tokio::select! {
+            _ = rx.wait_for(|durable| *durable >= goal), if !follow => {}
+            () = until_signal(), if follow => {}
+            _ = failed_rx.wait_for(|f| *f) => {}
+        }
     };
-    let stats = match capture::run(config, caught_up).await {
+    let capture = async {
+        let result = capture::run_on(config, &log, stop).await;
+        let _ = done_tx.send(true);
+        result
+    };
+    let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path);
+    let apply = async {
+        let mut total = ApplyStats::default();
+        loop {
+            let finished = *done_rx.borrow();
+            match applier.apply_log(&log).await {
+                Ok(stats) => crate::apply::accumulate(&mut total, stats),
+                Err(e) => {
+                    let _ = failed_tx.send(true);
+                    return Err(e);
+                }
+            }
+            if finished {
+                return Ok(total);
+            }
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                _ = done_rx.changed() => {}
+            }
+        }
+    };
+    let (captured, applied) = tokio::join!(capture, apply);
+    let target = applier.client();
+    let stats = match captured {
         Ok(stats) => stats,
         Err(
             err @ (capture::CaptureError::Invalidated { .. }
@@ -214,7 +267,7 @@ pub async fn run_once(
             // The stream cannot continue from where the target stands: the
             // run is recoverable only by a new snapshot (reseed).
             snapshot::transition(
-                &target,
+                target,
                 &flow.name,
                 SnapshotState::FailedRecoverable,
                 Some(&err.to_string()),
@@ -224,16 +277,32 @@ pub async fn run_once(
         }
         Err(err) => return Err(err.into()),
     };
+    report.apply = applied?;
     report.envelopes_captured = stats.envelopes;
     report.capture_duplicates_skipped = stats.duplicates_skipped;
-    report.caught_up_to = Some(goal);
-
-    let (log, _) = Log::open(FsStorage::new(), &log_dir, LogConfig::default())?;
-    let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path);
-    report.apply = applier.apply_log(&log).await?;
+    report.caught_up_to = (!follow).then_some(goal);
     progress(&format!(
-        "apply: {} transactions ({} rows), {} duplicates skipped",
-        report.apply.transactions, report.apply.rows, report.apply.duplicates_skipped
+        "captured {} transactions; applied {} ({} rows), {} duplicates skipped",
+        stats.envelopes,
+        report.apply.transactions,
+        report.apply.rows,
+        report.apply.duplicates_skipped
     ));
     Ok(report)
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn until_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }

@@ -560,3 +560,50 @@ fn reseed_repair_plan_and_locate_local() {
     );
     assert!(plan.contains("nothing is blocked"), "{plan}");
 }
+
+#[test]
+fn follow_applies_as_it_goes_and_stops_cleanly_on_sigterm() {
+    let Some(p) = pair(Major::Pg16) else { return };
+    let d = p.dir.path();
+    workload(&p.source, 1, 5);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["run", "--config", "trellara.yml", "--local", "--follow"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn run --follow");
+    let wait_for = |sql: &str, want: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while p.target.psql_value(sql) != want {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{sql} never reached {want}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    wait_for("SELECT count(*) FROM public.orders", "5");
+    for round in 0..3 {
+        workload(&p.source, 100 + round * 10, 10);
+        wait_for(
+            "SELECT count(*) FROM public.orders",
+            &(5 + (round + 1) * 10).to_string(),
+        );
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("sigterm");
+    let status = child.wait().expect("reap");
+    assert!(
+        status.success(),
+        "run --follow exits 0 on SIGTERM: {status}"
+    );
+    let out = ok(
+        &trellara(d, &["verify", "--config", "trellara.yml"]),
+        "verify",
+    );
+    assert!(out.contains("shop CONVERGED"), "{out}");
+}

@@ -312,7 +312,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let rt = runtime()?;
     let text = args.format == Format::Text;
     let mut reports = Vec::new();
-    for (index, f) in flows(&config, args.flow.as_deref())? {
+    let selected = flows(&config, args.flow.as_deref())?;
+    if args.follow && selected.len() > 1 {
+        anyhow::bail!(
+            "--follow runs one flow per process\nhint: pass --flow NAME (one process per flow)"
+        );
+    }
+    for (index, f) in selected {
         let mut progress = |line: &str| {
             if text {
                 println!("[{}] {line}", f.name);
@@ -320,19 +326,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 eprintln!("[{}] {line}", f.name);
             }
         };
-        loop {
-            let report = rt
-                .block_on(flow::run_once(f, index, &config_path, &mut progress))
-                .with_context(|| format!("flow {}", f.name))?;
-            let idle = report.envelopes_captured == 0;
-            reports.push(report);
-            if !args.follow {
-                break;
-            }
-            if idle && rt.block_on(stop_requested(Duration::from_secs(1))) {
-                break;
-            }
-        }
+        let report = rt
+            .block_on(flow::run_once(
+                f,
+                index,
+                &config_path,
+                args.follow,
+                &mut progress,
+            ))
+            .with_context(|| format!("flow {}", f.name))?;
+        reports.push(report);
     }
     if args.format == Format::Json && !args.verify {
         let out: Vec<_> = reports.iter().map(run_json).collect();
@@ -345,20 +348,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
 }
 
 use std::time::Duration;
-
-/// Waits `d`, returning true if SIGTERM or Ctrl-C arrived meanwhile.
-async fn stop_requested(d: Duration) -> bool {
-    use tokio::signal::unix::{SignalKind, signal};
-    let Ok(mut term) = signal(SignalKind::terminate()) else {
-        return false;
-    };
-    tokio::select! {
-        _ = term.recv() => true,
-        _ = tokio::signal::ctrl_c() => true,
-        () = tokio::time::sleep(d) => false,
-    }
-}
-
 fn run_json(r: &flow::RunReport) -> serde_json::Value {
     json!({
         "flow": r.flow,
@@ -637,7 +626,7 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
             "reseed requested by the operator",
         ))?;
         let mut progress = |line: &str| println!("[{}] {line}", f.name);
-        rt.block_on(flow::run_once(f, index, &config_path, &mut progress))
+        rt.block_on(flow::run_once(f, index, &config_path, false, &mut progress))
             .with_context(|| format!("reseed flow {}", f.name))?;
     }
     if args.verify {
