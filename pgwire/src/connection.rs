@@ -15,6 +15,11 @@ use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// Session settings for text that round-trips exactly: ISO dates,
+/// postgres intervals, shortest exact floats.
+pub const SESSION_OPTIONS: &str =
+    "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3";
+
 /// Largest backend message accepted: pgoutput rows can carry values up to
 /// 1 GiB, plus headers.
 const MAX_MESSAGE_LEN: usize = (1 << 30) + (1 << 16);
@@ -125,6 +130,9 @@ impl Connection {
             ("database", options.dbname.as_str()),
             ("application_name", options.application_name.as_str()),
             ("client_encoding", "UTF8"),
+            // Value text (pgoutput's too) in the unambiguous forms every
+            // server parses back the same way, whatever the source's defaults.
+            ("options", SESSION_OPTIONS),
         ];
         if options.replication {
             parameters.push(("replication", "database"));

@@ -20,7 +20,7 @@ mod replication;
 mod tls;
 
 pub use config::{ConnectOptions, SslMode};
-pub use connection::{Connection, PgError, Row};
+pub use connection::{Connection, PgError, Row, SESSION_OPTIONS};
 pub use replication::{
     IdentifySystem, ReplicationEvent, ReplicationStream, SlotCreated, SlotInfo, quote_literal,
     validate_slot_name,

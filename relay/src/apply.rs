@@ -49,18 +49,40 @@ pub enum ApplyError {
 
 /// Why one transaction could not be applied; becomes a quarantine record.
 #[derive(Debug)]
-struct Refusal(String);
+enum Refusal {
+    /// The data cannot be applied as captured: quarantine it.
+    Data(String),
+    /// The target is busy, down or out of resources: retry later, the
+    /// transaction itself is fine.
+    Transient(tokio_postgres::Error),
+}
+
+/// SQLSTATE classes that say nothing about the data: serialization and
+/// deadlock (40), resources (53), lock not available (55P03), operator
+/// intervention / shutdown (57), connection (08).
+fn transient(e: &tokio_postgres::Error) -> bool {
+    match e.as_db_error() {
+        None => true,
+        Some(db) => {
+            let code = db.code().code();
+            ["40", "53", "57", "08"].iter().any(|c| code.starts_with(c)) || code == "55P03"
+        }
+    }
+}
 
 impl From<tokio_postgres::Error> for Refusal {
     fn from(e: tokio_postgres::Error) -> Self {
+        if transient(&e) {
+            return Refusal::Transient(e);
+        }
         match e.as_db_error() {
-            Some(db) => Refusal(format!(
+            Some(db) => Refusal::Data(format!(
                 "{} (SQLSTATE {}){}",
                 db.message(),
                 db.code().code(),
                 db.detail().map(|d| format!(": {d}")).unwrap_or_default()
             )),
-            None => Refusal(e.to_string()),
+            None => Refusal::Data(e.to_string()),
         }
     }
 }
@@ -97,6 +119,11 @@ impl std::fmt::Debug for Applier {
     }
 }
 
+/// Types with no default equality operator.
+const NO_EQUALITY: &[&str] = &[
+    "json", "xml", "point", "line", "lseg", "box", "path", "polygon", "circle",
+];
+
 /// Source transactions per target transaction, and rows: bounded so a
 /// batch's target transaction stays short.
 const BATCH_TRANSACTIONS: usize = 500;
@@ -123,29 +150,17 @@ enum Next {
 }
 
 /// Reads the next whole transaction (all its chunks) from `reader`.
+/// Chunks of one transaction are consecutive with the same commit LSN and
+/// rising chunk index; a run cut short by a crash mid-append (its
+/// transaction was appended again whole after it) is skipped.
 fn next_transaction(reader: &mut crate::log::Reader<FsStorage>) -> Result<Next, ApplyError> {
-    let mut envelopes = Vec::new();
+    let mut envelopes: Vec<Envelope> = Vec::new();
     loop {
         let Some(record) = reader.next().transpose()? else {
             return Ok(Next::End);
         };
-        match envelope::decode(&record.payload) {
-            Ok(env) => {
-                let done = env
-                    .boundary
-                    .as_ref()
-                    .is_none_or(|b| b.chunk_index + 1 >= b.chunk_count);
-                envelopes.push(env);
-                if done {
-                    let rows = envelopes.iter().map(|e| e.changes.len()).sum();
-                    return Ok(Next::Txn(SourceTxn {
-                        envelopes,
-                        last_offset: record.offset,
-                        commit_lsn: record.commit_lsn,
-                        rows,
-                    }));
-                }
-            }
+        let env = match envelope::decode(&record.payload) {
+            Ok(env) => env,
             Err(e) => {
                 return Ok(Next::Broken((
                     record.offset,
@@ -154,6 +169,33 @@ fn next_transaction(reader: &mut crate::log::Reader<FsStorage>) -> Result<Next, 
                     record.payload,
                 )));
             }
+        };
+        let boundary = env.boundary.clone().unwrap_or_default();
+        let continues = envelopes.first().is_some_and(|first| {
+            first.commit_lsn == env.commit_lsn && boundary.chunk_index as usize == envelopes.len()
+        });
+        if !continues && !envelopes.is_empty() {
+            tracing::warn!(
+                commit_lsn = %Lsn(envelopes[0].commit_lsn),
+                chunks = envelopes.len(),
+                "skipping an incomplete chunk run left by a crash; its transaction follows whole"
+            );
+            envelopes.clear();
+        }
+        if envelopes.is_empty() && boundary.chunk_index != 0 {
+            // The middle of a run whose start is gone: skip it the same way.
+            continue;
+        }
+        let done = boundary.chunk_index + 1 >= boundary.chunk_count.max(1);
+        envelopes.push(env);
+        if done {
+            let rows = envelopes.iter().map(|e| e.changes.len()).sum();
+            return Ok(Next::Txn(SourceTxn {
+                envelopes,
+                last_offset: record.offset,
+                commit_lsn: record.commit_lsn,
+                rows,
+            }));
         }
     }
 }
@@ -202,6 +244,7 @@ impl Applier {
             let mut batch: Vec<SourceTxn> = Vec::new();
             let mut rows = 0usize;
             let mut broken = None;
+            let mut end = false;
             while batch.len() < BATCH_TRANSACTIONS && rows < BATCH_ROWS {
                 match next_transaction(&mut reader)? {
                     Next::Txn(txn) => {
@@ -212,7 +255,12 @@ impl Applier {
                         broken = Some(b);
                         break;
                     }
-                    Next::End => break,
+                    Next::End => {
+                        // A chunk run may be only partly durable: stop here
+                        // and reread it from the cursor next time.
+                        end = true;
+                        break;
+                    }
                 }
             }
             if !batch.is_empty() {
@@ -224,7 +272,7 @@ impl Applier {
                     .quarantine(Lsn(commit_lsn), 0, reason, &payload)
                     .await?);
             }
-            if batch.is_empty() {
+            if batch.is_empty() || end {
                 return Ok(stats);
             }
         }
@@ -253,7 +301,8 @@ impl Applier {
                 }
                 return Ok(());
             }
-            Err(Refusal(reason)) if single => {
+            Err(Refusal::Transient(e)) => return Err(ApplyError::Target(e)),
+            Err(Refusal::Data(reason)) if single => {
                 let txn = &batch[0];
                 let bytes = txn
                     .envelopes
@@ -326,9 +375,11 @@ impl Applier {
                 .await?;
             let checkpoint: Option<Lsn> = row.and_then(|r| r.get::<_, String>(0).parse().ok());
             let mut applied: Vec<&SourceTxn> = Vec::new();
+            let mut skipped: Vec<String> = Vec::new();
             for txn in batch {
                 if checkpoint.is_some_and(|c| c >= Lsn(txn.commit_lsn)) {
                     stats.duplicates_skipped += 1;
+                    skipped.push(Lsn(txn.commit_lsn).to_string());
                     continue;
                 }
                 for env in &txn.envelopes {
@@ -376,6 +427,17 @@ impl Applier {
                     )
                     .await?;
             }
+            if !skipped.is_empty() {
+                // Already applied (e.g. fixed by hand): nothing left to repair.
+                stats.quarantine_resolved += self
+                    .client
+                    .execute(
+                        "UPDATE trellara.quarantine SET resolved_at = now()
+                         WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL",
+                        &[&self.flow, &skipped],
+                    )
+                    .await?;
+            }
             stats.transactions += applied.len() as u64;
             Ok::<(), Refusal>(())
         }
@@ -386,7 +448,9 @@ impl Applier {
                 Ok(())
             }
             Err(refusal) => {
-                self.client.batch_execute("ROLLBACK").await?;
+                // The session may be gone (a transient refusal): the
+                // transaction is rolled back either way.
+                let _ = self.client.batch_execute("ROLLBACK").await;
                 Err(refusal)
             }
         }
@@ -402,16 +466,37 @@ impl Applier {
         let relations: HashMap<u32, &RelationSchema> =
             env.relations.iter().map(|r| (r.relation_id, r)).collect();
         let mut run: Vec<&RowChange> = Vec::new();
+        // One TRUNCATE statement truncates its tables together (foreign
+        // keys between them allow it only that way): keep them together.
+        let mut truncate: Vec<(&RelationSchema, &RowChange)> = Vec::new();
         for ch in &env.changes {
             let Some(change::Body::Row(row)) = &ch.body else {
                 continue;
             };
             let relation = *relations.get(&row.relation_id).ok_or_else(|| {
-                Refusal(format!(
+                Refusal::Data(format!(
                     "change {} names relation {} without schema",
                     ch.sequence, row.relation_id
                 ))
             })?;
+            let is_truncate = row.operation == Operation::Truncate as i32;
+            if !is_truncate && !truncate.is_empty() {
+                self.truncate(&truncate).await?;
+                truncate.clear();
+            }
+            if is_truncate {
+                if let Some(first) = run.first() {
+                    let rel = relations
+                        .get(&first.relation_id)
+                        .copied()
+                        .unwrap_or(relation);
+                    self.insert_rows(rel, &run).await?;
+                    run.clear();
+                }
+                truncate.push((relation, row));
+                stats.rows += 1;
+                continue;
+            }
             let insert = row.operation == Operation::Insert as i32;
             let limit = (MAX_PARAMS / relation.columns.len().max(1)).min(MAX_INSERT_ROWS);
             if let Some(first) = run.first()
@@ -436,6 +521,25 @@ impl Applier {
         {
             self.insert_rows(rel, &run).await?;
         }
+        if !truncate.is_empty() {
+            self.truncate(&truncate).await?;
+        }
+        Ok(())
+    }
+
+    /// `TRUNCATE a, b [RESTART IDENTITY]`. CASCADE is deliberately not
+    /// replayed (as in PostgreSQL's own apply): on the target it could empty
+    /// tables that are not replicated.
+    async fn truncate(&mut self, rows: &[(&RelationSchema, &RowChange)]) -> Result<(), Refusal> {
+        let mut tables = Vec::with_capacity(rows.len());
+        for (relation, _) in rows {
+            tables.push(self.target_table(relation).await?.qualified);
+        }
+        let mut sql = format!("TRUNCATE {}", tables.join(", "));
+        if rows.iter().any(|(_, r)| r.truncate_restart_identity) {
+            sql.push_str(" RESTART IDENTITY");
+        }
+        self.client.batch_execute(&sql).await?;
         Ok(())
     }
 
@@ -496,7 +600,7 @@ impl Applier {
             )
             .await?;
         if rows.is_empty() {
-            return Err(Refusal(format!(
+            return Err(Refusal::Data(format!(
                 "target table {}.{} does not exist",
                 relation.namespace, relation.name
             )));
@@ -507,7 +611,7 @@ impl Applier {
         };
         for column in &relation.columns {
             if !table.types.contains_key(&column.name) {
-                return Err(Refusal(format!(
+                return Err(Refusal::Data(format!(
                     "target table {}.{} has no column {:?} (schema contract breach)",
                     relation.namespace, relation.name, column.name
                 )));
@@ -535,8 +639,8 @@ impl Applier {
         row: &RowChange,
     ) -> Result<(), Refusal> {
         let table = self.target_table(relation).await?;
-        let op =
-            Operation::try_from(row.operation).map_err(|_| Refusal("unknown operation".into()))?;
+        let op = Operation::try_from(row.operation)
+            .map_err(|_| Refusal::Data("unknown operation".into()))?;
         let cast = |i: usize, col: &str| {
             format!(
                 "${i}::text::{}",
@@ -546,15 +650,7 @@ impl Applier {
         let mut params: Vec<Option<String>> = Vec::new();
         let sql = match op {
             Operation::Truncate => {
-                let mut sql = format!("TRUNCATE {}", table.qualified);
-                if row.truncate_restart_identity {
-                    sql.push_str(" RESTART IDENTITY");
-                }
-                if row.truncate_cascade {
-                    sql.push_str(" CASCADE");
-                }
-                self.client.batch_execute(&sql).await?;
-                return Ok(());
+                return self.truncate(&[(relation, row)]).await;
             }
             Operation::Insert => {
                 let mut columns = Vec::new();
@@ -594,6 +690,16 @@ impl Applier {
                 let full = relation.replica_identity == ReplicaIdentity::Full as i32;
                 let mut conds = Vec::new();
                 for (col, v) in relation.columns.iter().zip(identity) {
+                    let ty = table.types.get(&col.name).map_or("", String::as_str);
+                    // Types without an equality operator cannot locate a row
+                    // (PostgreSQL's apply leaves them out too).
+                    if full
+                        && NO_EQUALITY
+                            .iter()
+                            .any(|t| ty == *t || ty.starts_with(&format!("{t}[]")))
+                    {
+                        continue;
+                    }
                     if !(col.key || full)
                         || matches!(
                             v.kind,
@@ -611,7 +717,7 @@ impl Applier {
                     ));
                 }
                 if conds.is_empty() {
-                    return Err(Refusal(format!(
+                    return Err(Refusal::Data(format!(
                         "{}.{} has no replica identity columns to find the row by",
                         relation.namespace, relation.name
                     )));
@@ -639,14 +745,14 @@ impl Applier {
                     format!("DELETE FROM {} WHERE {filter}", table.qualified)
                 }
             }
-            Operation::Unspecified => return Err(Refusal("unspecified operation".into())),
+            Operation::Unspecified => return Err(Refusal::Data("unspecified operation".into())),
         };
         let statement = self.statement(sql, params.len()).await?;
         let refs: Vec<&(dyn ToSql + Sync)> =
             params.iter().map(|p| p as &(dyn ToSql + Sync)).collect();
         let n = self.client.execute(&statement, &refs).await?;
         if n != 1 {
-            return Err(Refusal(format!(
+            return Err(Refusal::Data(format!(
                 "{} on {}.{} matched {n} rows, expected 1: the target has diverged from the source (no silent divergence)\nhint: run `trellara verify --config {}` to name the diverging key range",
                 if op == Operation::Update {
                     "update"
@@ -673,12 +779,12 @@ fn text_of(v: &envelope::Value) -> Result<Option<String>, Refusal> {
         Some(value::Kind::Int64(i)) => Some(i.to_string()),
         Some(value::Kind::Float64(f)) => Some(f.to_string()),
         Some(value::Kind::Binary(_)) => {
-            return Err(Refusal(
+            return Err(Refusal::Data(
                 "binary-format values are not supported by the Postgres applier yet".into(),
             ));
         }
         Some(value::Kind::UnchangedToast(_) | value::Kind::Absent(_)) | None => {
-            return Err(Refusal(
+            return Err(Refusal::Data(
                 "a value the applier cannot write (unchanged TOAST in an insert, or absent)".into(),
             ));
         }

@@ -49,6 +49,10 @@ pub struct CaptureConfig {
     pub status_interval: Duration,
     pub max_backoff: Duration,
     pub pinned: HashMap<String, u64>,
+    /// The position a consumer downstream already holds (the applier's
+    /// checkpoint end LSN); with an empty or replaced log, a slot confirmed
+    /// past both it and the log is a gap, not a fresh start.
+    pub floor: Lsn,
     /// Receives the acknowledged (durable) source position as it moves.
     pub progress: Option<std::sync::Arc<tokio::sync::watch::Sender<Lsn>>>,
 }
@@ -98,6 +102,8 @@ pub enum CaptureError {
     },
     #[error("{0}")]
     Config(String),
+    #[error(transparent)]
+    Lock(#[from] std::io::Error),
 }
 
 impl CaptureError {
@@ -133,19 +139,32 @@ fn read_resume(log: &Log<FsStorage>) -> Result<Resume, CaptureError> {
         commit_lsn: Lsn::ZERO,
         ack_lsn: Lsn::ZERO,
     };
-    if let Some(last) = log.last_durable() {
+    // The last *complete* transaction: a crash mid-way through appending a
+    // chunked transaction leaves its first chunks at the tail; those do not
+    // count, so the transaction is streamed and appended again whole (the
+    // applier discards the orphaned chunks).
+    let mut offset = log.last_durable().map(|d| d.offset);
+    while let Some(at) = offset {
         let record = log
-            .read_from(last.offset)?
+            .read_from(at)?
             .next()
             .transpose()?
             .ok_or_else(|| CaptureError::Config("log tail vanished while reading".into()))?;
         let env = envelope::decode(&record.payload).map_err(|source| CaptureError::BadTail {
-            offset: last.offset,
+            offset: at,
             dir: log.dir().display().to_string(),
             source,
         })?;
-        resume.commit_lsn = Lsn(env.commit_lsn);
-        resume.ack_lsn = Lsn(env.end_lsn);
+        let boundary = env.boundary.unwrap_or_default();
+        if boundary.chunk_index + 1 >= boundary.chunk_count.max(1) {
+            resume.commit_lsn = Lsn(env.commit_lsn);
+            resume.ack_lsn = Lsn(env.end_lsn);
+            break;
+        }
+        // An incomplete run: look before its first chunk.
+        offset = at
+            .checked_sub(u64::from(boundary.chunk_index) + 1)
+            .filter(|o| *o >= log.first_offset());
     }
     if let Some(ack) = log.cursor(SOURCE_ACK).and_then(|c| c.last_commit_lsn) {
         resume.ack_lsn = resume.ack_lsn.max(Lsn(ack));
@@ -160,6 +179,7 @@ pub async fn run(
     config: CaptureConfig,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<CaptureStats, CaptureError> {
+    let _lock = crate::lock::lock(&config.log_dir)?;
     let (log, report) = Log::open(FsStorage::new(), &config.log_dir, LogConfig::default())?;
     if let Some(torn) = &report.torn_tail {
         tracing::warn!(segment = %torn.segment.display(), bytes = torn.truncated_bytes, "cut torn log tail left by a crash");
@@ -430,16 +450,18 @@ async fn handle_event(
                 Message::StreamStop => *in_stream_block = false,
                 _ => {}
             }
-            let mut emit = |env: Envelope| -> Result<(), crate::log::Error> {
+            let mut emit = |env: Envelope| -> Result<(), CaptureError> {
                 if Lsn(env.commit_lsn) <= resume.commit_lsn {
                     stats.duplicates_skipped += 1;
                     return Ok(());
                 }
-                // The assembler validated it; encode cannot fail.
-                if let Ok(bytes) = envelope::encode(&env) {
-                    batch.bytes += bytes.len();
-                    batch.records.push((env.commit_lsn, bytes));
-                }
+                let bytes = envelope::encode(&env).map_err(|source| CaptureError::BadTail {
+                    offset: log.next_offset(),
+                    dir: log.dir().display().to_string(),
+                    source,
+                })?;
+                batch.bytes += bytes.len();
+                batch.records.push((env.commit_lsn, bytes));
                 let last_chunk = env
                     .boundary
                     .as_ref()
@@ -447,17 +469,18 @@ async fn handle_event(
                 if last_chunk {
                     batch.ack = Some(Lsn(env.end_lsn));
                 }
+                // A large transaction's chunks go to disk as they come, so
+                // memory stays bounded; the source is acknowledged only at
+                // the end of a complete transaction.
+                if batch.bytes >= BATCH_BYTES {
+                    batch.flush(log, stream, stats)?;
+                }
                 Ok(())
             };
             match assembler.handle(message, start.0, &mut emit) {
                 Ok(()) => {}
                 Err(AssembleOrSink::Assembly(e)) => return Err(e.into()),
-                Err(AssembleOrSink::Sink(e)) => return Err(e.into()),
-            }
-            // A chunked transaction's chunks may exceed the batch: flush as
-            // they come so memory stays bounded.
-            if batch.bytes >= BATCH_BYTES {
-                batch.flush(log, stream, stats)?;
+                Err(AssembleOrSink::Sink(e)) => return Err(e),
             }
         }
         ReplicationEvent::Keepalive {
@@ -509,14 +532,15 @@ fn check_slot(
             reason: "wal_status lost".into(),
         });
     }
+    let known = resume.ack_lsn.max(config.floor);
     if let Some(confirmed) = info.confirmed_flush_lsn
-        && resume.ack_lsn.is_valid()
-        && confirmed > resume.ack_lsn
+        && known.is_valid()
+        && confirmed > known
     {
         return Err(CaptureError::SlotAhead {
             slot: config.slot.clone(),
             confirmed,
-            durable: resume.ack_lsn,
+            durable: known,
         });
     }
     Ok(())

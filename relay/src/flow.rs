@@ -79,6 +79,18 @@ pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError>
             tracing::warn!(side, error = %e, "database connection ended");
         }
     });
+    // Copy and apply exchange values as text: the same unambiguous forms
+    // the replication session uses.
+    client
+        .batch_execute(
+            "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET extra_float_digits = 3",
+        )
+        .await
+        .map_err(|source| FlowError::Connect {
+            side,
+            target: redact(url),
+            source,
+        })?;
     Ok(client)
 }
 
@@ -142,6 +154,11 @@ pub async fn run_once(
         ..RunReport::default()
     };
 
+    // One writer per log, across processes, for the whole run.
+    let _lock = crate::lock::lock(&log_dir).map_err(|source| FlowError::LogDir {
+        path: log_dir.display().to_string(),
+        source,
+    })?;
     let current = snapshot::load(&target, &flow.name).await?;
     let handed_off = matches!(
         current.as_ref().map(|r| r.state),
@@ -178,6 +195,14 @@ pub async fn run_once(
         .get::<_, String>(0)
         .parse()
         .unwrap_or(Lsn::ZERO);
+    let floor: Lsn = target
+        .query_opt(
+            "SELECT end_lsn::text FROM trellara.checkpoints WHERE flow = $1",
+            &[&flow.name],
+        )
+        .await?
+        .and_then(|r| r.get::<_, String>(0).parse().ok())
+        .unwrap_or(Lsn::ZERO);
     let (tx, mut rx) = tokio::sync::watch::channel(Lsn::ZERO);
     let config = CaptureConfig {
         source: source_url.parse().map_err(|e| {
@@ -199,6 +224,7 @@ pub async fn run_once(
         status_interval: Duration::from_millis(200),
         max_backoff: Duration::from_secs(10),
         pinned: HashMap::new(),
+        floor,
         progress: Some(Arc::new(tx)),
     };
     if follow {

@@ -7,6 +7,7 @@ pub mod capture;
 pub mod cli;
 pub mod config;
 pub mod flow;
+pub mod lock;
 pub mod log;
 pub mod preflight;
 pub mod snapshot;

@@ -204,16 +204,34 @@ pub async fn run(
     // The exported snapshot may end now: every table holds its boundary.
     drop(repl);
     transition(target, &flow.name, SnapshotState::Copied, None).await?;
-    // Handoff: streaming starts after the consistent LSN; the checkpoint
-    // says so before the first streamed transaction can be applied.
+    // Handoff: the snapshot holds every transaction that committed before
+    // the consistent point; one whose commit record starts exactly at it is
+    // not in the snapshot and is streamed. The applier skips commits at or
+    // below the checkpoint, so the checkpoint sits just below the boundary.
+    let below = Lsn(consistent.0.saturating_sub(1));
     target
         .execute(
             "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid)
-             VALUES ($1, $2, $3::text::pg_lsn, $3::text::pg_lsn, 0)
+             VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, 0)
              ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
                 commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = 0,
                 transactions = 0, duplicates_skipped = 0, updated_at = now()",
-            &[&flow.name, &flow.source_id(), &consistent.to_string()],
+            &[
+                &flow.name,
+                &flow.source_id(),
+                &below.to_string(),
+                &consistent.to_string(),
+            ],
+        )
+        .await
+        .map_err(SnapshotError::Target)?;
+    // Quarantined transactions of the previous boundary are superseded by
+    // this copy.
+    target
+        .execute(
+            "UPDATE trellara.quarantine SET resolved_at = now(), reason = reason || ' (superseded by a new snapshot)'
+             WHERE flow = $1 AND resolved_at IS NULL",
+            &[&flow.name],
         )
         .await
         .map_err(SnapshotError::Target)?;

@@ -18,6 +18,7 @@ use crate::config::{Flow, split_table};
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use crate::state::SnapshotState;
 use serde::Serialize;
+use std::path::Path;
 use tokio_postgres::Client;
 
 #[derive(Debug, Clone, Serialize)]
@@ -52,6 +53,8 @@ pub struct Verdict {
     pub consistent_lsn: Option<String>,
     pub transactions_applied: i64,
     pub duplicates_skipped: i64,
+    /// What could not be checked, stated exactly.
+    pub limits: Vec<String>,
 }
 
 impl Verdict {
@@ -326,9 +329,17 @@ pub async fn verify(
         None => (None, 0, 0),
     };
     // Watermark: nothing durable past the applier, nothing pending in the slot.
-    if let Some(dir) = flow.log_dir()
-        && dir.exists()
-    {
+    let mut limits = Vec::new();
+    let lock = match flow.log_dir() {
+        Some(dir) if dir.exists() => {
+            crate::lock::try_lock(dir).map_err(|e| VerifyError::BadTable(e.to_string()))?
+        }
+        _ => None,
+    };
+    if lock.is_none() && flow.log_dir().is_some_and(Path::exists) {
+        limits.push("the log was not read: a running trellara process (run --follow or relay) holds it; its applier cursor is checked by that process".to_owned());
+    }
+    if let (Some(dir), Some(_lock)) = (flow.log_dir(), &lock) {
         let (log, _) = Log::open(FsStorage::new(), dir, LogConfig::default())?;
         let cursor = log
             .cursor(&crate::apply::cursor_name(&flow.name))
@@ -351,6 +362,7 @@ pub async fn verify(
             &[&flow.slot(), &flow.publication()],
         )
         .await;
+    drop(lock);
     match pending {
         Ok(Some(r)) if r.get::<_, i64>(0) > 0 => divergences.push(Divergence {
             code: "WATERMARK_BEHIND",
@@ -360,8 +372,27 @@ pub async fn verify(
             ),
             recovery: run.clone(),
         }),
-        // Active (a relay is streaming it) or missing: the log check stands.
-        _ => {}
+        Ok(_) => {}
+        // object_in_use: our relay is streaming the slot right now.
+        Err(e) if e.as_db_error().is_some_and(|d| d.code().code() == "55006") => {
+            limits.push(format!(
+                "slot {} is being streamed; pending changes were not peeked",
+                flow.slot()
+            ));
+        }
+        Err(e) => divergences.push(Divergence {
+            code: "WATERMARK_UNVERIFIED",
+            detail: format!(
+                "could not check slot {} for uncaptured changes: {}",
+                flow.slot(),
+                e.as_db_error()
+                    .map_or_else(|| e.to_string(), |d| d.message().to_owned())
+            ),
+            recovery: format!(
+                "make sure slot {} exists and the role may read it, then rerun verify",
+                flow.slot()
+            ),
+        }),
     }
 
     let quarantined = target
@@ -416,6 +447,7 @@ pub async fn verify(
         consistent_lsn: snapshot.and_then(|s| s.consistent_lsn.map(|l| l.to_string())),
         transactions_applied: transactions,
         duplicates_skipped: duplicates,
+        limits,
     };
     // Verification is a state transition as well as a report.
     let next = match (state, verdict.converged()) {
@@ -481,6 +513,9 @@ pub fn render_text(v: &Verdict) -> String {
         v.transactions_applied,
         v.duplicates_skipped
     ));
+    for l in &v.limits {
+        out.push_str(&format!("  not checked: {l}\n"));
+    }
     for d in &v.divergences {
         out.push_str(&format!(
             "  {}: {}\n    recovery: {}\n",

@@ -219,6 +219,7 @@ fn tls_and_scram_on_a_real_server() {
         status_interval: Duration::from_millis(100),
         max_backoff: Duration::from_secs(1),
         pinned: Default::default(),
+        floor: Default::default(),
         progress: None,
     };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();

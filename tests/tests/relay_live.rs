@@ -91,6 +91,7 @@ fn config(cluster: &Cluster, dir: &Path) -> CaptureConfig {
         status_interval: Duration::from_millis(100),
         max_backoff: Duration::from_secs(1),
         pinned: HashMap::new(),
+        floor: Default::default(),
         progress: None,
     }
 }

@@ -458,6 +458,10 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 && let Some(dir) = f.log_dir()
                 && dir.exists()
             {
+                let Some(_lock) = crate::lock::try_lock(dir)? else {
+                    v["log"] = json!({"dir": dir.display().to_string(), "in_use": true});
+                    return anyhow::Ok(v);
+                };
                 let (log, _) = crate::log::Log::open(crate::log::storage::FsStorage::new(), dir, crate::log::LogConfig::default())?;
                 v["log"] = json!({
                     "dir": dir.display().to_string(),
@@ -674,6 +678,13 @@ pub fn stream(args: StreamArgs) -> anyhow::Result<ExitCode> {
             all_present = false;
             continue;
         }
+        let Some(_lock) = crate::lock::try_lock(dir)? else {
+            // A live writer holds it: its applier is consuming the log now.
+            out.push(json!({"flow": f.name, "log": dir.display().to_string(), "present": true,
+                "detail": "the log is in use by a running trellara process, which is applying from it",
+                "recovery": "none needed"}));
+            continue;
+        };
         let (log, _) = crate::log::Log::open(
             crate::log::storage::FsStorage::new(),
             dir,

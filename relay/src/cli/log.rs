@@ -46,6 +46,7 @@ pub fn run(args: LogArgs) -> anyhow::Result<ExitCode> {
             dir.display()
         );
     }
+    let _lock = crate::lock::lock(&dir).context("inspect needs the log to itself")?;
     let (log, report) = Log::open(FsStorage, &dir, LogConfig::default())
         .with_context(|| format!("open log {}", dir.display()))?;
 

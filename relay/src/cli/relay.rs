@@ -65,6 +65,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         status_interval: Duration::from_secs(1),
         max_backoff: Duration::from_secs(30),
         pinned: HashMap::new(),
+        floor: Default::default(),
         progress: None,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
