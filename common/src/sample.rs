@@ -215,3 +215,29 @@ pub fn partitioned_chunk() -> Envelope {
     envelope.origin = "node_b".into();
     envelope
 }
+
+/// Chunk `index` of `count` of a one-row-per-chunk transaction committing at
+/// `commit_lsn` (whole when `count` is 1).
+pub fn chunk(commit_lsn: u64, index: u32, count: u32) -> Envelope {
+    let mut envelope = insert_transaction(1, 4);
+    envelope.commit_lsn = commit_lsn;
+    envelope.end_lsn = commit_lsn + 0x10;
+    envelope.begin_lsn = commit_lsn - 0x10;
+    for change in &mut envelope.changes {
+        change.sequence = u64::from(index);
+    }
+    envelope.boundary = Some(Boundary {
+        mode: if count == 1 {
+            boundary::Mode::Whole
+        } else {
+            boundary::Mode::Chunked
+        } as i32,
+        chunk_index: index,
+        chunk_count: count,
+        first_sequence: u64::from(index),
+        total_changes: u64::from(count),
+        partition: 0,
+        manifest_partitions: Vec::new(),
+    });
+    envelope
+}

@@ -790,3 +790,59 @@ fn text_of(v: &envelope::Value) -> Result<Option<String>, Refusal> {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::log::LogConfig;
+    use trellara_common::sample;
+
+    fn chunk(commit: u64, index: u32, count: u32) -> Vec<u8> {
+        envelope::encode(&sample::chunk(commit, index, count)).expect("valid chunk")
+    }
+
+    #[test]
+    fn chunk_runs_cut_by_a_crash_are_skipped_and_never_merged() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("open");
+        let x = 0x5000_0000;
+        let y = 0x6000_0000;
+        // The crash left X's first two chunks; then X was appended whole,
+        // then Y. A middle-of-run chunk with no start is skipped too.
+        for (lsn, bytes) in [
+            (x, chunk(x, 0, 3)),
+            (x, chunk(x, 1, 3)),
+            (x, chunk(x, 0, 3)),
+            (x, chunk(x, 1, 3)),
+            (x, chunk(x, 2, 3)),
+            (y, chunk(y, 0, 1)),
+        ] {
+            log.append(lsn, &bytes).expect("append");
+        }
+        let mut reader = log.read_from(0).expect("reader");
+        let Next::Txn(first) = next_transaction(&mut reader).expect("read") else {
+            panic!("X")
+        };
+        assert_eq!(
+            (first.commit_lsn, first.envelopes.len(), first.last_offset),
+            (x, 3, 4)
+        );
+        let Next::Txn(second) = next_transaction(&mut reader).expect("read") else {
+            panic!("Y")
+        };
+        assert_eq!((second.commit_lsn, second.envelopes.len()), (y, 1));
+        assert!(matches!(
+            next_transaction(&mut reader).expect("read"),
+            Next::End
+        ));
+
+        // An incomplete run at the tail is not a transaction yet.
+        log.append(0x7000_0000, &chunk(0x7000_0000, 0, 2))
+            .expect("append");
+        let mut reader = log.read_from(6).expect("reader");
+        assert!(matches!(
+            next_transaction(&mut reader).expect("read"),
+            Next::End
+        ));
+    }
+}
