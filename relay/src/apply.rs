@@ -410,15 +410,6 @@ impl Applier {
                         ],
                     )
                     .await?;
-                let commits: Vec<String> = applied.iter().map(|t| Lsn(t.commit_lsn).to_string()).collect();
-                stats.quarantine_resolved += self
-                    .client
-                    .execute(
-                        "UPDATE trellara.quarantine SET resolved_at = now()
-                         WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL",
-                        &[&self.flow, &commits],
-                    )
-                    .await?;
             } else if stats.duplicates_skipped > 0 {
                 self.client
                     .execute(
@@ -427,14 +418,17 @@ impl Applier {
                     )
                     .await?;
             }
-            if !skipped.is_empty() {
-                // Already applied (e.g. fixed by hand): nothing left to repair.
+            // Applied now, or already applied (e.g. fixed by hand): either
+            // way nothing is left to repair.
+            let mut settled = skipped;
+            settled.extend(applied.iter().map(|t| Lsn(t.commit_lsn).to_string()));
+            if !settled.is_empty() {
                 stats.quarantine_resolved += self
                     .client
                     .execute(
                         "UPDATE trellara.quarantine SET resolved_at = now()
                          WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL",
-                        &[&self.flow, &skipped],
+                        &[&self.flow, &settled],
                     )
                     .await?;
             }

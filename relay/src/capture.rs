@@ -318,46 +318,33 @@ async fn session(
     let mut batch = Batch::default();
     tracing::info!(slot = %config.slot, from = %resume.ack_lsn, "streaming");
     loop {
-        if !batch.records.is_empty() {
+        let event = if batch.records.is_empty() {
+            tokio::select! {
+                ev = stream.recv() => Some(ev?.ok_or(WireError::Closed)?),
+                () = tokio::time::sleep(config.status_interval) => None,
+                () = &mut shutdown => {
+                    // Leave the slot exactly at what is durable.
+                    *stopped = true;
+                    stream.send_status().await?;
+                    stream.finish().await?;
+                    return Ok(());
+                }
+            }
+        } else {
             let full = batch.bytes >= BATCH_BYTES || batch.records.len() >= BATCH_RECORDS;
-            // recv is cancel-safe: polling it once loses nothing.
+            // recv is cancel-safe: polling it once loses nothing. When
+            // nothing more is already here, the batch goes to disk.
             let ready = if full {
                 None
             } else {
                 futures_util::FutureExt::now_or_never(stream.recv())
             };
             match ready {
-                Some(ev) => {
-                    let ev = ev?.ok_or(WireError::Closed)?;
-                    handle_event(
-                        ev,
-                        config,
-                        &mut assembler,
-                        &mut in_stream_block,
-                        &mut batch,
-                        resume,
-                        stats,
-                        log,
-                        &mut stream,
-                    )
-                    .await?;
-                    continue;
+                Some(ev) => Some(ev?.ok_or(WireError::Closed)?),
+                None => {
+                    batch.flush(log, &mut stream, stats)?;
+                    None
                 }
-                None => batch.flush(log, &mut stream, stats)?,
-            }
-        }
-        let event = tokio::select! {
-            ev = stream.recv() => match ev? {
-                Some(ev) => Some(ev),
-                None => return Err(WireError::Closed.into()),
-            },
-            () = tokio::time::sleep(config.status_interval) => None,
-            () = &mut shutdown => {
-                // Leave the slot exactly at what is durable.
-                *stopped = true;
-                stream.send_status().await?;
-                stream.finish().await?;
-                return Ok(());
             }
         };
         if let Some(ev) = event {

@@ -318,7 +318,7 @@ pub async fn run_once(
 }
 
 /// Resolves on SIGTERM or Ctrl-C.
-async fn until_signal() {
+pub async fn until_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     match signal(SignalKind::terminate()) {
         Ok(mut term) => {

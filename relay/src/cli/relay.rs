@@ -72,25 +72,10 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("start the async runtime")?;
-    let stats = runtime.block_on(capture::run(config, shutdown_signal()))?;
+    let stats = runtime.block_on(capture::run(config, crate::flow::until_signal()))?;
     eprintln!(
         "relay stopped: {} envelopes appended, {} duplicates skipped, {} reconnects",
         stats.envelopes, stats.duplicates_skipped, stats.reconnects
     );
     Ok(ExitCode::SUCCESS)
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
 }
