@@ -34,6 +34,22 @@ use trellara_external_relay::{AssembleOrSink, Assembler, AssemblerConfig, Assemb
 /// acknowledged past the last envelope (idle keepalive advances).
 const SOURCE_ACK: &str = "source-ack";
 
+/// Moves the source-ack cursor's offset to the log's end (its LSN stays),
+/// so it never holds segments back from retention: it records a source
+/// position, not a place in the log a reader still needs.
+pub fn release_source_ack(log: &Log<FsStorage>) -> Result<(), crate::log::Error> {
+    if let Some(position) = log.cursor(SOURCE_ACK) {
+        log.commit_cursor(
+            SOURCE_ACK,
+            CursorPosition {
+                next_offset: log.next_offset(),
+                last_commit_lsn: position.last_commit_lsn,
+            },
+        )?;
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone)]
 pub struct CaptureConfig {
     pub source: ConnectOptions,
@@ -565,6 +581,49 @@ mod tests {
         assert_eq!(
             (resume.commit_lsn, resume.ack_lsn),
             (Lsn(0x2000), Lsn(0x2010))
+        );
+    }
+
+    #[test]
+    fn the_source_ack_cursor_never_holds_retention() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = LogConfig {
+            max_segment_bytes: 4096,
+            retention: crate::log::RetentionPolicy {
+                max_total_bytes: Some(8192),
+                ..crate::log::RetentionPolicy::keep_all()
+            },
+            ..LogConfig::default()
+        };
+        let (log, _) = Log::open(FsStorage::new(), dir.path(), config).expect("open");
+        log.register_consumer(SOURCE_ACK).expect("register");
+        let ack = CursorPosition {
+            next_offset: 0,
+            last_commit_lsn: Some(0x42),
+        };
+        log.commit_cursor(SOURCE_ACK, ack).expect("ack");
+        let payload = vec![7u8; 1000];
+        for i in 0..40 {
+            log.append(i, &payload).expect("append");
+        }
+        log.register_consumer("applier-x").expect("applier");
+        log.commit_cursor("applier-x", CursorPosition::after(39, 39))
+            .expect("applied");
+        let held = log.enforce_retention().expect("retention");
+        assert!(
+            held.deleted.is_empty() && held.under_pressure(),
+            "the stale source-ack offset holds segments"
+        );
+        release_source_ack(&log).expect("release");
+        let freed = log.enforce_retention().expect("retention");
+        assert!(
+            !freed.deleted.is_empty() && !freed.under_pressure(),
+            "{freed:?}"
+        );
+        assert_eq!(
+            log.cursor(SOURCE_ACK).and_then(|c| c.last_commit_lsn),
+            Some(0x42),
+            "the acknowledged LSN is kept"
         );
     }
 }

@@ -148,6 +148,11 @@ pub enum Transport {
     Local {
         #[serde(default = "default_log_dir")]
         log_dir: PathBuf,
+        /// Keep the log at most this large (MiB); only segments every
+        /// consumer has passed are ever deleted, the rest is reported as
+        /// retention pressure.
+        #[serde(default = "default_retention_mib")]
+        retention_mib: u64,
     },
     Kafka {
         brokers: String,
@@ -159,8 +164,13 @@ impl Default for Transport {
     fn default() -> Self {
         Transport::Local {
             log_dir: default_log_dir(),
+            retention_mib: default_retention_mib(),
         }
     }
+}
+
+fn default_retention_mib() -> u64 {
+    1024
 }
 
 fn default_log_dir() -> PathBuf {
@@ -233,7 +243,7 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
     }
     let base = path.parent().unwrap_or(Path::new("."));
     for flow in &mut config.flows {
-        if let Transport::Local { log_dir } = &mut flow.transport
+        if let Transport::Local { log_dir, .. } = &mut flow.transport
             && log_dir.is_relative()
         {
             *log_dir = base.join(&*log_dir);
@@ -415,9 +425,17 @@ impl Flow {
             .unwrap_or_else(|| self.name.clone())
     }
 
+    /// The log's size limit in bytes (local transport).
+    pub fn retention_bytes(&self) -> Option<u64> {
+        match &self.transport {
+            Transport::Local { retention_mib, .. } => Some(retention_mib << 20),
+            Transport::Kafka { .. } => None,
+        }
+    }
+
     pub fn log_dir(&self) -> Option<&Path> {
         match &self.transport {
-            Transport::Local { log_dir } => Some(log_dir),
+            Transport::Local { log_dir, .. } => Some(log_dir),
             Transport::Kafka { .. } => None,
         }
     }

@@ -240,7 +240,14 @@ pub async fn run_once(
     }
     // Capture and apply run together on one log: the applier takes what
     // is durable while capture continues, and finishes after capture stops.
-    let (log, report_open) = Log::open(FsStorage::new(), &log_dir, LogConfig::default())?;
+    let log_config = LogConfig {
+        retention: crate::log::RetentionPolicy {
+            max_total_bytes: flow.retention_bytes(),
+            ..crate::log::RetentionPolicy::keep_all()
+        },
+        ..LogConfig::default()
+    };
+    let (log, report_open) = Log::open(FsStorage::new(), &log_dir, log_config)?;
     if let Some(torn) = &report_open.torn_tail {
         progress(&format!(
             "log: cut a torn tail of {} bytes left by a crash",
@@ -264,6 +271,7 @@ pub async fn run_once(
     let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path);
     let apply = async {
         let mut total = ApplyStats::default();
+        let mut last_retention = std::time::Instant::now();
         loop {
             let finished = *done_rx.borrow();
             match applier.apply_log(&log).await {
@@ -272,6 +280,10 @@ pub async fn run_once(
                     let _ = failed_tx.send(true);
                     return Err(e);
                 }
+            }
+            if finished || last_retention.elapsed() >= RETENTION_EVERY {
+                last_retention = std::time::Instant::now();
+                enforce_retention(&log);
             }
             if finished {
                 return Ok(total);
@@ -315,6 +327,29 @@ pub async fn run_once(
         report.apply.duplicates_skipped
     ));
     Ok(report)
+}
+
+/// How often a following run trims the log.
+const RETENTION_EVERY: Duration = Duration::from_secs(10);
+
+/// Deletes segments every consumer has passed, within the flow's size
+/// limit; what a lagging consumer holds is reported, never deleted.
+fn enforce_retention(log: &Log<FsStorage>) {
+    let result = capture::release_source_ack(log).and_then(|()| log.enforce_retention());
+    match result {
+        Ok(report) => {
+            for p in &report.pressure {
+                tracing::warn!(consumer = %p.consumer, held_bytes = p.held_bytes, held_segments = p.held_segments, "retention pressure: a consumer holds log segments past the size limit");
+            }
+            if !report.deleted.is_empty() {
+                tracing::info!(
+                    segments = report.deleted.len(),
+                    "retention removed consumed log segments"
+                );
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "log retention failed; the log keeps its segments"),
+    }
 }
 
 /// Resolves on SIGTERM or Ctrl-C.
