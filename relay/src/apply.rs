@@ -143,21 +143,45 @@ struct SourceTxn {
 
 enum Next {
     Txn(SourceTxn),
+    /// The first chunk of a chunked transaction: applied chunk by chunk.
+    Chunked(Box<Envelope>, crate::log::Record),
     /// (offset, commit LSN, reason, payload) of an envelope that fails to decode.
     Broken((u64, u64, String, Vec<u8>)),
     /// The log ends, or the rest of a chunked transaction is not durable yet.
     End,
 }
 
+/// How a chunked transaction ended.
+enum Chunked {
+    Applied,
+    /// Its last chunk is not durable yet.
+    Incomplete,
+    /// The run was cut by a crash; this record starts what follows.
+    Restart(crate::log::Record),
+}
+
+enum ChunkStep {
+    Done,
+    Incomplete,
+    Restart(crate::log::Record),
+}
+
 /// Reads the next whole transaction (all its chunks) from `reader`.
 /// Chunks of one transaction are consecutive with the same commit LSN and
 /// rising chunk index; a run cut short by a crash mid-append (its
 /// transaction was appended again whole after it) is skipped.
-fn next_transaction(reader: &mut crate::log::Reader<FsStorage>) -> Result<Next, ApplyError> {
+fn next_transaction(
+    reader: &mut crate::log::Reader<FsStorage>,
+    pending: &mut Option<crate::log::Record>,
+) -> Result<Next, ApplyError> {
     let mut envelopes: Vec<Envelope> = Vec::new();
     loop {
-        let Some(record) = reader.next().transpose()? else {
-            return Ok(Next::End);
+        let record = match pending.take() {
+            Some(record) => record,
+            None => match reader.next().transpose()? {
+                Some(record) => record,
+                None => return Ok(Next::End),
+            },
         };
         let env = match envelope::decode(&record.payload) {
             Ok(env) => env,
@@ -185,6 +209,9 @@ fn next_transaction(reader: &mut crate::log::Reader<FsStorage>) -> Result<Next, 
         if envelopes.is_empty() && boundary.chunk_index != 0 {
             // The middle of a run whose start is gone: skip it the same way.
             continue;
+        }
+        if envelopes.is_empty() && boundary.chunk_count > 1 {
+            return Ok(Next::Chunked(Box::new(env), record));
         }
         let done = boundary.chunk_index + 1 >= boundary.chunk_count.max(1);
         envelopes.push(env);
@@ -240,16 +267,22 @@ impl Applier {
         let start = log.register_consumer(&name)?;
         let mut stats = ApplyStats::default();
         let mut reader = log.read_from(start.next_offset)?;
+        let mut pending = None;
         loop {
             let mut batch: Vec<SourceTxn> = Vec::new();
             let mut rows = 0usize;
             let mut broken = None;
             let mut end = false;
+            let mut chunked = None;
             while batch.len() < BATCH_TRANSACTIONS && rows < BATCH_ROWS {
-                match next_transaction(&mut reader)? {
+                match next_transaction(&mut reader, &mut pending)? {
                     Next::Txn(txn) => {
                         rows += txn.rows;
                         batch.push(txn);
+                    }
+                    Next::Chunked(first, record) => {
+                        chunked = Some((first, record));
+                        break;
                     }
                     Next::Broken(b) => {
                         broken = Some(b);
@@ -265,6 +298,20 @@ impl Applier {
             }
             if !batch.is_empty() {
                 self.apply_batch(log, &name, &batch, &mut stats).await?;
+            }
+            if let Some((first, record)) = chunked {
+                match self
+                    .apply_chunked(&mut reader, *first, record.payload, &mut stats)
+                    .await?
+                {
+                    Chunked::Applied => {
+                        let last = reader.next_offset().saturating_sub(1);
+                        log.commit_cursor(&name, CursorPosition::after(last, record.commit_lsn))?;
+                    }
+                    Chunked::Incomplete => return Ok(stats),
+                    Chunked::Restart(next) => pending = Some(next),
+                }
+                continue;
             }
             if let Some((offset, commit_lsn, reason, payload)) = broken {
                 let reason = format!("envelope at log offset {offset} is invalid: {reason}");
@@ -387,51 +434,14 @@ impl Applier {
                 }
                 applied.push(txn);
             }
-            if let Some(last) = applied.last() {
-                let head = last.envelopes.first();
-                let end_lsn = last.envelopes.last().map_or(last.commit_lsn, |e| e.end_lsn);
-                self.client
-                    .execute(
-                        "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid, transactions, duplicates_skipped)
-                         VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, $5, $6, $7)
-                         ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
-                            commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = EXCLUDED.xid,
-                            transactions = c.transactions + EXCLUDED.transactions,
-                            duplicates_skipped = c.duplicates_skipped + EXCLUDED.duplicates_skipped,
-                            updated_at = now()",
-                        &[
-                            &self.flow,
-                            &self.source_id,
-                            &Lsn(last.commit_lsn).to_string(),
-                            &Lsn(end_lsn).to_string(),
-                            &(head.map_or(0, |e| e.xid) as i64),
-                            &(applied.len() as i64),
-                            &(stats.duplicates_skipped as i64),
-                        ],
-                    )
-                    .await?;
-            } else if stats.duplicates_skipped > 0 {
-                self.client
-                    .execute(
-                        "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + $2 WHERE flow = $1",
-                        &[&self.flow, &(stats.duplicates_skipped as i64)],
-                    )
-                    .await?;
-            }
-            // Applied now, or already applied (e.g. fixed by hand): either
-            // way nothing is left to repair.
+            let last = applied.last().map(|t| {
+                let head = t.envelopes.first().map_or(0, |e| e.xid);
+                let end = t.envelopes.last().map_or(t.commit_lsn, |e| e.end_lsn);
+                (t.commit_lsn, end, head)
+            });
             let mut settled = skipped;
             settled.extend(applied.iter().map(|t| Lsn(t.commit_lsn).to_string()));
-            if !settled.is_empty() {
-                stats.quarantine_resolved += self
-                    .client
-                    .execute(
-                        "UPDATE trellara.quarantine SET resolved_at = now()
-                         WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL",
-                        &[&self.flow, &settled],
-                    )
-                    .await?;
-            }
+            self.settle(last, applied.len(), stats, settled).await?;
             stats.transactions += applied.len() as u64;
             Ok::<(), Refusal>(())
         }
@@ -446,6 +456,150 @@ impl Applier {
                 // transaction is rolled back either way.
                 let _ = self.client.batch_execute("ROLLBACK").await;
                 Err(refusal)
+            }
+        }
+    }
+
+    /// Inside the open target transaction: moves the checkpoint to the last
+    /// applied transaction (`(commit, end, xid)`), adds the counts, and marks
+    /// the settled commits' quarantine records resolved.
+    async fn settle(
+        &mut self,
+        last: Option<(u64, u64, u64)>,
+        applied: usize,
+        stats: &mut ApplyStats,
+        settled: Vec<String>,
+    ) -> Result<(), Refusal> {
+        if let Some((commit, end, xid)) = last {
+            self.client
+                .execute(
+                    "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid, transactions, duplicates_skipped)
+                     VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, $5, $6, $7)
+                     ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
+                        commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = EXCLUDED.xid,
+                        transactions = c.transactions + EXCLUDED.transactions,
+                        duplicates_skipped = c.duplicates_skipped + EXCLUDED.duplicates_skipped,
+                        updated_at = now()",
+                    &[
+                        &self.flow,
+                        &self.source_id,
+                        &Lsn(commit).to_string(),
+                        &Lsn(end).to_string(),
+                        &(xid as i64),
+                        &(applied as i64),
+                        &(stats.duplicates_skipped as i64),
+                    ],
+                )
+                .await?;
+        } else if stats.duplicates_skipped > 0 {
+            self.client
+                .execute(
+                    "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + $2 WHERE flow = $1",
+                    &[&self.flow, &(stats.duplicates_skipped as i64)],
+                )
+                .await?;
+        }
+        // Applied now, or already applied (e.g. fixed by hand): either way
+        // nothing is left to repair.
+        if !settled.is_empty() {
+            stats.quarantine_resolved += self
+                .client
+                .execute(
+                    "UPDATE trellara.quarantine SET resolved_at = now()
+                     WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL",
+                    &[&self.flow, &settled],
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// A chunked transaction, one chunk in memory at a time, in one target
+    /// transaction. Returns `Ok(None)` when the run is not complete in the
+    /// log yet (nothing applied, cursor unchanged), `Ok(Some(restart))` when
+    /// the run was cut by a crash and a new transaction starts at `restart`.
+    async fn apply_chunked(
+        &mut self,
+        reader: &mut crate::log::Reader<FsStorage>,
+        first: Envelope,
+        first_bytes: Vec<u8>,
+        stats: &mut ApplyStats,
+    ) -> Result<Chunked, ApplyError> {
+        let commit = first.commit_lsn;
+        let xid = first.xid;
+        let mut tentative = ApplyStats::default();
+        self.client.batch_execute("BEGIN").await?;
+        let mut current = first;
+        let outcome = async {
+            let row = self
+                .client
+                .query_opt(
+                    "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1 FOR UPDATE",
+                    &[&self.flow],
+                )
+                .await?;
+            let checkpoint: Option<Lsn> = row.and_then(|r| r.get::<_, String>(0).parse().ok());
+            let duplicate = checkpoint.is_some_and(|c| c >= Lsn(commit));
+            loop {
+                let boundary = current.boundary.clone().unwrap_or_default();
+                if !duplicate {
+                    self.apply_envelope(&current, &mut tentative).await?;
+                }
+                if boundary.chunk_index + 1 >= boundary.chunk_count {
+                    let settled = vec![Lsn(commit).to_string()];
+                    if duplicate {
+                        tentative.duplicates_skipped += 1;
+                        self.settle(None, 0, &mut tentative, settled).await?;
+                    } else {
+                        let last = Some((commit, current.end_lsn, xid));
+                        self.settle(last, 1, &mut tentative, settled).await?;
+                        tentative.transactions += 1;
+                    }
+                    return Ok(ChunkStep::Done);
+                }
+                let Some(record) = reader
+                    .next()
+                    .transpose()
+                    .map_err(|e| Refusal::Data(e.to_string()))?
+                else {
+                    return Ok(ChunkStep::Incomplete);
+                };
+                let next = match envelope::decode(&record.payload) {
+                    Ok(env) => env,
+                    Err(_) => return Ok(ChunkStep::Restart(record)),
+                };
+                let b = next.boundary.clone().unwrap_or_default();
+                if next.commit_lsn != commit || b.chunk_index != boundary.chunk_index + 1 {
+                    return Ok(ChunkStep::Restart(record));
+                }
+                current = next;
+            }
+        }
+        .await;
+        match outcome {
+            Ok(ChunkStep::Done) => {
+                self.client.batch_execute("COMMIT").await?;
+                accumulate(stats, tentative);
+                Ok(Chunked::Applied)
+            }
+            Ok(ChunkStep::Incomplete) => {
+                self.client.batch_execute("ROLLBACK").await?;
+                Ok(Chunked::Incomplete)
+            }
+            Ok(ChunkStep::Restart(record)) => {
+                self.client.batch_execute("ROLLBACK").await?;
+                tracing::warn!(commit_lsn = %Lsn(commit), "skipping an incomplete chunk run left by a crash; its transaction follows whole");
+                Ok(Chunked::Restart(record))
+            }
+            Err(Refusal::Transient(e)) => {
+                let _ = self.client.batch_execute("ROLLBACK").await;
+                Err(ApplyError::Target(e))
+            }
+            Err(Refusal::Data(reason)) => {
+                let _ = self.client.batch_execute("ROLLBACK").await;
+                Err(self
+                    .quarantine(Lsn(commit), xid, reason, &first_bytes)
+                    .await?)
             }
         }
     }
@@ -796,7 +950,7 @@ mod tests {
     }
 
     #[test]
-    fn chunk_runs_cut_by_a_crash_are_skipped_and_never_merged() {
+    fn chunked_transactions_are_handed_over_at_their_first_chunk() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("open");
         let x = 0x5000_0000;
@@ -814,29 +968,43 @@ mod tests {
             log.append(lsn, &bytes).expect("append");
         }
         let mut reader = log.read_from(0).expect("reader");
-        let Next::Txn(first) = next_transaction(&mut reader).expect("read") else {
-            panic!("X")
+        let mut pending = None;
+        // A chunked transaction is handed over at its first chunk, to be
+        // applied one chunk at a time (apply_chunked restarts on a cut run).
+        let Next::Chunked(first, record) =
+            next_transaction(&mut reader, &mut pending).expect("read")
+        else {
+            panic!("X starts chunked")
+        };
+        assert_eq!((first.commit_lsn, record.offset), (x, 0));
+        // A middle-of-run chunk without its start is skipped.
+        let mut reader = log.read_from(1).expect("reader");
+        let Next::Chunked(_, record) = next_transaction(&mut reader, &mut pending).expect("read")
+        else {
+            panic!("the whole X")
         };
         assert_eq!(
-            (first.commit_lsn, first.envelopes.len(), first.last_offset),
-            (x, 3, 4)
+            record.offset, 2,
+            "offset 1 (chunk 1 without chunk 0) skipped"
         );
-        let Next::Txn(second) = next_transaction(&mut reader).expect("read") else {
+        let mut reader = log.read_from(5).expect("reader");
+        let Next::Txn(second) = next_transaction(&mut reader, &mut pending).expect("read") else {
             panic!("Y")
         };
         assert_eq!((second.commit_lsn, second.envelopes.len()), (y, 1));
         assert!(matches!(
-            next_transaction(&mut reader).expect("read"),
+            next_transaction(&mut reader, &mut pending).expect("read"),
             Next::End
         ));
 
-        // An incomplete run at the tail is not a transaction yet.
+        // A run's first chunk at the tail is handed over too; apply_chunked
+        // finds the rest missing and leaves it for later.
         log.append(0x7000_0000, &chunk(0x7000_0000, 0, 2))
             .expect("append");
         let mut reader = log.read_from(6).expect("reader");
         assert!(matches!(
-            next_transaction(&mut reader).expect("read"),
-            Next::End
+            next_transaction(&mut reader, &mut pending).expect("read"),
+            Next::Chunked(..)
         ));
     }
 }

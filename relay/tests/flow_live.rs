@@ -607,3 +607,78 @@ fn follow_applies_as_it_goes_and_stops_cleanly_on_sigterm() {
     );
     assert!(out.contains("shop CONVERGED"), "{out}");
 }
+
+/// Chunk `index` of `count` of a transaction at `commit`, inserting id `id`.
+fn sales_chunk(commit: u64, index: u32, count: u32, id: i64) -> Vec<u8> {
+    let mut env = trellara_common::sample::chunk(commit, index, count);
+    if let Some(trellara_common::envelope::change::Body::Row(row)) = env.changes[0].body.as_mut() {
+        row.after[0] = trellara_common::sample::text(id.to_string());
+    }
+    trellara_common::envelope::encode(&env).expect("valid chunk")
+}
+
+#[test]
+fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land() {
+    let Some(target) = test_cluster(Major::Pg17, &ClusterOptions::new()) else {
+        return;
+    };
+    target.psql("CREATE TABLE public.sales (id bigint PRIMARY KEY, amount numeric, note text)");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, _) = trellara_relay::log::Log::open(
+        trellara_relay::log::storage::FsStorage::new(),
+        dir.path(),
+        trellara_relay::log::LogConfig::default(),
+    )
+    .expect("open");
+    let (x, y, z) = (0x5000_0000u64, 0x6000_0000u64, 0x7000_0000u64);
+    // A crash cut X after two chunks; X was then appended whole; then Y.
+    for (lsn, bytes) in [
+        (x, sales_chunk(x, 0, 3, 1)),
+        (x, sales_chunk(x, 1, 3, 2)),
+        (x, sales_chunk(x, 0, 3, 1)),
+        (x, sales_chunk(x, 1, 3, 2)),
+        (x, sales_chunk(x, 2, 3, 3)),
+        (y, sales_chunk(y, 0, 1, 4)),
+        (z, sales_chunk(z, 0, 2, 5)),
+    ] {
+        log.append(lsn, &bytes).expect("append");
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let url = target.connection_string("postgres");
+    let mut applier = rt.block_on(async {
+        let client = trellara_relay::flow::connect(&url, "target")
+            .await
+            .expect("connect");
+        trellara_relay::state::ensure(&client).await.expect("state");
+        trellara_relay::apply::Applier::new(client, "t", "src", "trellara.yml")
+    });
+    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    assert_eq!(
+        stats.transactions, 2,
+        "X whole and Y; Z's last chunk is not durable yet"
+    );
+    assert_eq!(
+        target.psql_value("SELECT string_agg(id::text, ',' ORDER BY id) FROM public.sales"),
+        "1,2,3,4"
+    );
+    assert_eq!(
+        target.psql_value("SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = 't'"),
+        "0/60000000"
+    );
+
+    log.append(z, &sales_chunk(z, 1, 2, 6)).expect("append");
+    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    assert_eq!(stats.transactions, 1);
+    assert_eq!(target.psql_value("SELECT count(*) FROM public.sales"), "6");
+    // Redelivered whole: skipped and counted.
+    log.commit_cursor(
+        &trellara_relay::apply::cursor_name("t"),
+        trellara_relay::log::CursorPosition::start_at(0),
+    )
+    .expect("rewind");
+    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    assert_eq!((stats.transactions, stats.duplicates_skipped), (0, 3));
+}
