@@ -78,13 +78,13 @@ pub enum VerifyError {
 const SESSION: &str = "SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'postgres'; \
                        SET extra_float_digits = 3; SET bytea_output = 'hex'";
 
-/// Columns of a table (canonical order) and its key columns as
-/// "name type" (primary key, else the replica identity index), read from
+/// Columns of a table (canonical order) and its key columns as (quoted
+/// name, type) (primary key, else the replica identity index), read from
 /// the source.
 async fn shape(
     source: &Client,
     qualified: &str,
-) -> Result<(Vec<String>, Vec<String>), VerifyError> {
+) -> Result<(Vec<String>, Vec<(String, String)>), VerifyError> {
     let columns = source
         .query(
             "SELECT quote_ident(attname) FROM pg_attribute
@@ -98,7 +98,7 @@ async fn shape(
         .collect();
     let key = source
         .query(
-            "SELECT quote_ident(a.attname) || ' ' || format_type(a.atttypid, a.atttypmod)
+            "SELECT quote_ident(a.attname), format_type(a.atttypid, a.atttypmod)
              FROM pg_index i
              JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, n) ON true
              JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
@@ -109,8 +109,8 @@ async fn shape(
         .await
         .map_err(VerifyError::Source)?
         .iter()
-        .map(|r| r.get(0))
-        .collect::<Vec<String>>();
+        .map(|r| (r.get(0), r.get(1)))
+        .collect::<Vec<(String, String)>>();
     let mut dedup = Vec::new();
     for k in key {
         if !dedup.contains(&k) {
@@ -144,15 +144,14 @@ async fn aggregate(
 async fn chunks(
     source: &Client,
     qualified: &str,
-    key_names: &str,
+    key: &[(String, String)],
     filter: &str,
     n: i32,
 ) -> Result<Vec<(Vec<String>, Vec<String>)>, tokio_postgres::Error> {
-    let text_key: Vec<String> = key_names
-        .split(", ")
-        .map(|k| format!("{k}::text"))
-        .collect();
-    let desc: Vec<String> = key_names.split(", ").map(|k| format!("{k} DESC")).collect();
+    let names: Vec<&str> = key.iter().map(|(k, _)| k.as_str()).collect();
+    let key_names = names.join(", ");
+    let text_key: Vec<String> = names.iter().map(|k| format!("{k}::text")).collect();
+    let desc: Vec<String> = names.iter().map(|k| format!("{k} DESC")).collect();
     let bucketed = format!(
         "(SELECT {key_names}, ntile({n}) OVER (ORDER BY {key_names}) AS b FROM ONLY {qualified} t WHERE {filter}) s"
     );
@@ -162,7 +161,7 @@ async fn chunks(
             text_key.join(", ")
         )
     };
-    let lows = source.query(&bound(key_names), &[]).await?;
+    let lows = source.query(&bound(&key_names), &[]).await?;
     let highs = source.query(&bound(&desc.join(", ")), &[]).await?;
     Ok(lows
         .iter()
@@ -198,16 +197,7 @@ async fn verify_table(
     let (schema, name) =
         split_table(table).ok_or_else(|| VerifyError::BadTable(table.to_owned()))?;
     let qualified = format!("\"{schema}\".\"{name}\"");
-    let (columns, typed_key) = shape(source, &qualified).await?;
-    let key: Vec<(String, String)> = typed_key
-        .iter()
-        .filter_map(|k| k.split_once(' ').map(|(n, t)| (n.to_owned(), t.to_owned())))
-        .collect();
-    let key_names = key
-        .iter()
-        .map(|(n, _)| n.as_str())
-        .collect::<Vec<_>>()
-        .join(", ");
+    let (columns, key) = shape(source, &qualified).await?;
     let list = columns.join(", ");
     let (source_rows, source_checksum) = aggregate(source, &qualified, &list, "true")
         .await
@@ -240,7 +230,7 @@ async fn verify_table(
     for _ in 0..2 {
         let mut narrower = Vec::new();
         for filter in &ranges {
-            for (lo, hi) in chunks(source, &qualified, &key_names, filter, 16)
+            for (lo, hi) in chunks(source, &qualified, &key, filter, 16)
                 .await
                 .map_err(VerifyError::Source)?
             {
