@@ -204,6 +204,8 @@ pub async fn run_once(
         .and_then(|r| r.get::<_, String>(0).parse().ok())
         .unwrap_or(Lsn::ZERO);
     let (tx, mut rx) = tokio::sync::watch::channel(Lsn::ZERO);
+    // The applier wakes as soon as capture made something durable.
+    let mut durable_rx = tx.subscribe();
     let config = CaptureConfig {
         source: source_url.parse().map_err(|e| {
             crate::config::ConfigIssue::new(
@@ -291,6 +293,7 @@ pub async fn run_once(
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_millis(50)) => {}
                 _ = done_rx.changed() => {}
+                _ = durable_rx.changed() => {}
             }
         }
     };
