@@ -151,6 +151,16 @@ enum Next {
     End,
 }
 
+/// Rows held back to be written together: a run of inserts into one table
+/// (one multi-row INSERT) or the tables of one TRUNCATE (which must go in
+/// one statement when foreign keys link them).
+#[derive(Default)]
+struct Pending<'a> {
+    relation: Option<&'a RelationSchema>,
+    inserts: Vec<&'a RowChange>,
+    truncate: Vec<(&'a RelationSchema, &'a RowChange)>,
+}
+
 /// How a chunked transaction ended.
 enum Chunked {
     Applied,
@@ -423,6 +433,7 @@ impl Applier {
             let checkpoint: Option<Lsn> = row.and_then(|r| r.get::<_, String>(0).parse().ok());
             let mut applied: Vec<&SourceTxn> = Vec::new();
             let mut skipped: Vec<String> = Vec::new();
+            let mut pending = Pending::default();
             for txn in batch {
                 if checkpoint.is_some_and(|c| c >= Lsn(txn.commit_lsn)) {
                     stats.duplicates_skipped += 1;
@@ -430,10 +441,11 @@ impl Applier {
                     continue;
                 }
                 for env in &txn.envelopes {
-                    self.apply_envelope(env, stats).await?;
+                    self.apply_envelope(env, stats, &mut pending).await?;
                 }
                 applied.push(txn);
             }
+            self.flush(&mut pending).await?;
             let last = applied.last().map(|t| {
                 let head = t.envelopes.first().map_or(0, |e| e.xid);
                 let end = t.envelopes.last().map_or(t.commit_lsn, |e| e.end_lsn);
@@ -543,7 +555,10 @@ impl Applier {
             loop {
                 let boundary = current.boundary.clone().unwrap_or_default();
                 if !duplicate {
-                    self.apply_envelope(&current, &mut tentative).await?;
+                    let mut pending = Pending::default();
+                    self.apply_envelope(&current, &mut tentative, &mut pending)
+                        .await?;
+                    self.flush(&mut pending).await?;
                 }
                 if boundary.chunk_index + 1 >= boundary.chunk_count {
                     let settled = vec![Lsn(commit).to_string()];
@@ -604,73 +619,75 @@ impl Applier {
         }
     }
 
-    /// Applies one envelope's rows; runs of inserts into one table go as
-    /// multi-row INSERTs.
-    async fn apply_envelope(
+    /// Applies one envelope's rows. Runs of inserts into one table - across
+    /// envelopes and source transactions of the same target transaction -
+    /// are held in `pending` and go as multi-row INSERTs; the caller
+    /// [`flush`](Self::flush)es before it commits or drops the envelopes.
+    async fn apply_envelope<'a>(
         &mut self,
-        env: &Envelope,
+        env: &'a Envelope,
         stats: &mut ApplyStats,
+        pending: &mut Pending<'a>,
     ) -> Result<(), Refusal> {
-        let relations: HashMap<u32, &RelationSchema> =
-            env.relations.iter().map(|r| (r.relation_id, r)).collect();
-        let mut run: Vec<&RowChange> = Vec::new();
-        // One TRUNCATE statement truncates its tables together (foreign
-        // keys between them allow it only that way): keep them together.
-        let mut truncate: Vec<(&RelationSchema, &RowChange)> = Vec::new();
         for ch in &env.changes {
             let Some(change::Body::Row(row)) = &ch.body else {
                 continue;
             };
-            let relation = *relations.get(&row.relation_id).ok_or_else(|| {
-                Refusal::Data(format!(
-                    "change {} names relation {} without schema",
-                    ch.sequence, row.relation_id
-                ))
-            })?;
-            let is_truncate = row.operation == Operation::Truncate as i32;
-            if !is_truncate && !truncate.is_empty() {
-                self.truncate(&truncate).await?;
-                truncate.clear();
-            }
-            if is_truncate {
-                if let Some(first) = run.first() {
-                    let rel = relations
-                        .get(&first.relation_id)
-                        .copied()
-                        .unwrap_or(relation);
-                    self.insert_rows(rel, &run).await?;
-                    run.clear();
-                }
-                truncate.push((relation, row));
-                stats.rows += 1;
+            let relation = env
+                .relations
+                .iter()
+                .find(|r| r.relation_id == row.relation_id)
+                .ok_or_else(|| {
+                    Refusal::Data(format!(
+                        "change {} names relation {} without schema",
+                        ch.sequence, row.relation_id
+                    ))
+                })?;
+            stats.rows += 1;
+            if row.operation == Operation::Truncate as i32 {
+                self.flush_inserts(pending).await?;
+                pending.truncate.push((relation, row));
                 continue;
+            }
+            if !pending.truncate.is_empty() {
+                let rows = std::mem::take(&mut pending.truncate);
+                self.truncate(&rows).await?;
             }
             let insert = row.operation == Operation::Insert as i32;
             let limit = (MAX_PARAMS / relation.columns.len().max(1)).min(MAX_INSERT_ROWS);
-            if let Some(first) = run.first()
-                && (!insert || first.relation_id != row.relation_id || run.len() >= limit)
-            {
-                let rel = relations
-                    .get(&first.relation_id)
-                    .copied()
-                    .unwrap_or(relation);
-                self.insert_rows(rel, &run).await?;
-                run.clear();
+            let same_run = pending.relation.is_some_and(|r| {
+                r.relation_id == relation.relation_id && r.fingerprint == relation.fingerprint
+            });
+            if !insert || !same_run || pending.inserts.len() >= limit {
+                self.flush_inserts(pending).await?;
             }
             if insert {
-                run.push(row);
+                pending.relation = Some(relation);
+                pending.inserts.push(row);
             } else {
                 self.apply_row(relation, row).await?;
             }
-            stats.rows += 1;
         }
-        if let Some(first) = run.first()
-            && let Some(rel) = relations.get(&first.relation_id)
+        Ok(())
+    }
+
+    async fn flush_inserts(&mut self, pending: &mut Pending<'_>) -> Result<(), Refusal> {
+        if let Some(relation) = pending.relation.take()
+            && !pending.inserts.is_empty()
         {
-            self.insert_rows(rel, &run).await?;
+            let rows = std::mem::take(&mut pending.inserts);
+            self.insert_rows(relation, &rows).await?;
         }
-        if !truncate.is_empty() {
-            self.truncate(&truncate).await?;
+        pending.inserts.clear();
+        Ok(())
+    }
+
+    /// Writes everything `pending` holds, in order.
+    async fn flush(&mut self, pending: &mut Pending<'_>) -> Result<(), Refusal> {
+        self.flush_inserts(pending).await?;
+        if !pending.truncate.is_empty() {
+            let rows = std::mem::take(&mut pending.truncate);
+            self.truncate(&rows).await?;
         }
         Ok(())
     }
