@@ -128,9 +128,12 @@ const NO_EQUALITY: &[&str] = &[
 /// batch's target transaction stays short.
 const BATCH_TRANSACTIONS: usize = 500;
 const BATCH_ROWS: usize = 20_000;
-/// PostgreSQL's bind parameter limit, and rows per multi-row INSERT.
+/// PostgreSQL's bind parameter limit.
 const MAX_PARAMS: usize = 65_535;
-const MAX_INSERT_ROWS: usize = 500;
+/// Rows held in one insert run (one statement).
+const MAX_RUN_ROWS: usize = 5_000;
+/// Runs at least this long go as COPY instead of a multi-row INSERT.
+const COPY_ROWS: usize = 200;
 
 /// One source transaction read from the log: its envelope(s) and where it
 /// ends in the log.
@@ -654,7 +657,7 @@ impl Applier {
                 self.truncate(&rows).await?;
             }
             let insert = row.operation == Operation::Insert as i32;
-            let limit = (MAX_PARAMS / relation.columns.len().max(1)).min(MAX_INSERT_ROWS);
+            let limit = MAX_RUN_ROWS;
             let same_run = pending.relation.is_some_and(|r| {
                 r.relation_id == relation.relation_id && r.fingerprint == relation.fingerprint
             });
@@ -719,6 +722,9 @@ impl Applier {
             .iter()
             .map(|c| quote_ident(&c.name))
             .collect();
+        if rows.len() >= COPY_ROWS || rows.len() * columns.len() > MAX_PARAMS {
+            return self.copy_rows(&table, &columns, rows).await;
+        }
         let mut params: Vec<Option<String>> = Vec::with_capacity(rows.len() * columns.len());
         let mut tuples = Vec::with_capacity(rows.len());
         for row in rows {
@@ -743,6 +749,50 @@ impl Applier {
         let refs: Vec<&(dyn ToSql + Sync)> =
             params.iter().map(|p| p as &(dyn ToSql + Sync)).collect();
         self.client.execute(&statement, &refs).await?;
+        Ok(())
+    }
+
+    /// A long run of inserts as `COPY ... FROM STDIN` (text format) inside
+    /// the open target transaction: the values are the same text the
+    /// INSERT path casts, escaped per COPY's rules.
+    async fn copy_rows(
+        &mut self,
+        table: &TargetTable,
+        columns: &[String],
+        rows: &[&RowChange],
+    ) -> Result<(), Refusal> {
+        use futures_util::SinkExt;
+        let mut data = bytes::BytesMut::with_capacity(rows.len() * 64);
+        for row in rows {
+            for (i, v) in row.after.iter().enumerate() {
+                if i > 0 {
+                    data.extend_from_slice(b"\t");
+                }
+                match text_of(v)? {
+                    None => data.extend_from_slice(b"\\N"),
+                    Some(text) => copy_escape(&text, &mut data),
+                }
+            }
+            data.extend_from_slice(b"\n");
+        }
+        let sink = self
+            .client
+            .copy_in(&format!(
+                "COPY {} ({}) FROM STDIN",
+                table.qualified,
+                columns.join(", ")
+            ))
+            .await?;
+        futures_util::pin_mut!(sink);
+        sink.send(data.freeze()).await?;
+        let copied = sink.finish().await?;
+        if copied != rows.len() as u64 {
+            return Err(Refusal::Data(format!(
+                "COPY into {} wrote {copied} rows, expected {}",
+                table.qualified,
+                rows.len()
+            )));
+        }
         Ok(())
     }
 
@@ -932,6 +982,19 @@ impl Applier {
             )));
         }
         Ok(())
+    }
+}
+
+/// COPY text format: backslash, newline, carriage return and tab escaped.
+fn copy_escape(text: &str, out: &mut bytes::BytesMut) {
+    for b in text.bytes() {
+        match b {
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            _ => out.extend_from_slice(&[b]),
+        }
     }
 }
 

@@ -436,7 +436,7 @@ fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges() {
         "run",
     );
     // One large source transaction: its apply takes a while.
-    p.source.psql("INSERT INTO public.line_items SELECT 1000000 + g, 1, 1, 1, 'big' FROM generate_series(1, 40000) g");
+    p.source.psql("INSERT INTO public.line_items SELECT 1000000 + g, 1, 1, 1, 'big' FROM generate_series(1, 400000) g");
     let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
         .current_dir(d)
         .args(["run", "--config", "trellara.yml", "--local"])
@@ -448,7 +448,7 @@ fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges() {
     loop {
         // The applier's target transaction is open and has written rows.
         let busy = p.target.psql_value(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = 'postgres' AND state IN ('active', 'idle in transaction') AND query LIKE 'INSERT INTO \"public\".\"line_items\"%'",
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = 'postgres' AND state IN ('active', 'idle in transaction') AND (query LIKE 'INSERT INTO \"public\".\"line_items\"%' OR query LIKE 'COPY \"public\".\"line_items\"%')",
         );
         if busy != "0" {
             break;
@@ -459,7 +459,6 @@ fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges() {
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    std::thread::sleep(std::time::Duration::from_millis(300));
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGKILL,
@@ -495,7 +494,7 @@ fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges() {
     assert_eq!(
         p.target
             .psql_value("SELECT count(*) FROM public.line_items WHERE note = 'big'"),
-        "40000"
+        "400000"
     );
 }
 
