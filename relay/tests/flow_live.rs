@@ -681,3 +681,37 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land() {
     let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
     assert_eq!((stats.transactions, stats.duplicates_skipped), (0, 3));
 }
+
+#[test]
+fn copy_carries_tabs_newlines_backslashes_and_nulls_exactly() {
+    let Some(p) = pair(Major::Pg18) else { return };
+    let d = p.dir.path();
+    ok(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        "run",
+    );
+    // One transaction of 1,000 rows: applied through COPY.
+    p.source.psql(
+        "INSERT INTO public.line_items
+         SELECT g, 1, 1, 1, CASE g % 4 WHEN 0 THEN NULL WHEN 1 THEN E'tab\\there' WHEN 2 THEN E'line\\nbreak\\r' ELSE E'back\\\\slash \\\\N' END
+         FROM generate_series(1, 1000) g",
+    );
+    let out = ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "run",
+    );
+    assert!(out.contains("shop CONVERGED"), "{out}");
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM public.line_items WHERE note IS NULL"),
+        "250"
+    );
+    assert_eq!(
+        p.target
+            .psql_value("SELECT note FROM public.line_items WHERE order_id = 3"),
+        "back\\slash \\N"
+    );
+}
