@@ -426,14 +426,7 @@ impl Applier {
     ) -> Result<(), Refusal> {
         self.client.batch_execute("BEGIN").await?;
         let result = async {
-            let row = self
-                .client
-                .query_opt(
-                    "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1 FOR UPDATE",
-                    &[&self.flow],
-                )
-                .await?;
-            let checkpoint: Option<Lsn> = row.and_then(|r| r.get::<_, String>(0).parse().ok());
+            let checkpoint = self.lock_checkpoint().await?;
             let mut applied: Vec<&SourceTxn> = Vec::new();
             let mut skipped: Vec<String> = Vec::new();
             let mut pending = Pending::default();
@@ -471,6 +464,30 @@ impl Applier {
                 // transaction is rolled back either way.
                 let _ = self.client.batch_execute("ROLLBACK").await;
                 Err(refusal)
+            }
+        }
+    }
+
+    /// Inside the open target transaction: the flow's checkpoint, locked
+    /// until commit so no other applier can interleave.
+    async fn lock_checkpoint(&self) -> Result<Option<Lsn>, Refusal> {
+        let row = self
+            .client
+            .query_opt(
+                "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1 FOR UPDATE",
+                &[&self.flow],
+            )
+            .await?;
+        match row {
+            None => Ok(None),
+            Some(r) => {
+                let text: String = r.get(0);
+                text.parse().map(Some).map_err(|_| {
+                    Refusal::Data(format!(
+                        "the checkpoint of flow {} reads {text:?}, not an LSN",
+                        self.flow
+                    ))
+                })
             }
         }
     }
@@ -546,14 +563,7 @@ impl Applier {
         self.client.batch_execute("BEGIN").await?;
         let mut current = first;
         let outcome = async {
-            let row = self
-                .client
-                .query_opt(
-                    "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1 FOR UPDATE",
-                    &[&self.flow],
-                )
-                .await?;
-            let checkpoint: Option<Lsn> = row.and_then(|r| r.get::<_, String>(0).parse().ok());
+            let checkpoint = self.lock_checkpoint().await?;
             let duplicate = checkpoint.is_some_and(|c| c >= Lsn(commit));
             loop {
                 let boundary = current.boundary.clone().unwrap_or_default();
