@@ -82,7 +82,7 @@ pub enum AssemblyError {
     OutsideTransaction { message: &'static str },
     #[error("{message} arrived while transaction {xid} was still open")]
     NestedTransaction { message: &'static str, xid: u32 },
-    #[error("Stream Commit for transaction {xid}, which never streamed")]
+    #[error("stream message for transaction {xid}, whose stream never started")]
     UnknownStream { xid: u32 },
     #[error("text value of {relation}.{column} is not UTF-8; Trellara requires UTF8 databases")]
     NotUtf8 { relation: String, column: String },
@@ -242,6 +242,18 @@ impl Assembler {
                         xid: txn.xid,
                     }
                     .into());
+                }
+                if let Open::Stream(open) = self.open {
+                    return Err(AssemblyError::NestedTransaction {
+                        message: "Stream Start",
+                        xid: open,
+                    }
+                    .into());
+                }
+                // A later segment of a stream we never saw start would
+                // assemble a transaction without its beginning.
+                if !start.first_segment && !self.streams.contains_key(&start.xid) {
+                    return Err(AssemblyError::UnknownStream { xid: start.xid }.into());
                 }
                 let budget = self.config.memory_budget;
                 self.streams
@@ -568,7 +580,8 @@ impl Assembler {
                 begin_lsn,
                 commit_lsn,
                 end_lsn,
-                commit_time_micros: commit_time + pgoutput::POSTGRES_EPOCH_UNIX_MICROS,
+                commit_time_micros: commit_time
+                    .saturating_add(pgoutput::POSTGRES_EPOCH_UNIX_MICROS),
                 relations: used.into_values().collect(),
                 changes,
                 boundary: Some(Boundary {

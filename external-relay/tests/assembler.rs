@@ -436,3 +436,40 @@ fn rows_without_relation_metadata_fail_closed() {
         AssemblyError::OutsideTransaction { message: "Commit" }
     ));
 }
+
+#[test]
+fn a_stream_without_its_first_segment_or_nested_blocks_fail_closed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut asm = Assembler::new(config(dir.path()));
+    let err = run(
+        &mut asm,
+        vec![Message::StreamStart(StreamStart {
+            xid: 77,
+            first_segment: false,
+        })],
+    )
+    .expect_err("a later segment of an unknown stream");
+    assert!(matches!(err, AssemblyError::UnknownStream { xid: 77 }));
+    let mut asm = Assembler::new(config(dir.path()));
+    let err = run(
+        &mut asm,
+        vec![
+            Message::StreamStart(StreamStart {
+                xid: 1,
+                first_segment: true,
+            }),
+            Message::StreamStart(StreamStart {
+                xid: 2,
+                first_segment: true,
+            }),
+        ],
+    )
+    .expect_err("stream blocks never nest");
+    assert!(matches!(
+        err,
+        AssemblyError::NestedTransaction {
+            message: "Stream Start",
+            xid: 1
+        }
+    ));
+}

@@ -130,6 +130,8 @@ const BATCH_TRANSACTIONS: usize = 500;
 const BATCH_ROWS: usize = 20_000;
 /// PostgreSQL's bind parameter limit.
 const MAX_PARAMS: usize = 65_535;
+/// Prepared statements kept per applier session.
+const STATEMENT_CACHE: usize = 1_000;
 /// Rows held in one insert run (one statement).
 const MAX_RUN_ROWS: usize = 5_000;
 /// Runs at least this long go as COPY instead of a multi-row INSERT.
@@ -849,6 +851,10 @@ impl Applier {
     async fn statement(&mut self, sql: String, params: usize) -> Result<Statement, Refusal> {
         if let Some(s) = self.statements.get(&sql) {
             return Ok(s.clone());
+        }
+        // Bounded: multi-row INSERTs vary by row count and table.
+        if self.statements.len() >= STATEMENT_CACHE {
+            self.statements.clear();
         }
         let statement = self
             .client
