@@ -224,7 +224,16 @@ fn public_loop(major: Major) {
 
 #[test]
 fn quarantine_repair_and_replay() {
-    let Some(p) = pair(Major::Pg17) else { return };
+    for major in Major::ALL {
+        eprintln!("quarantine_repair_and_replay on {major}");
+        quarantine_repair_and_replay_on(major);
+    }
+}
+
+fn quarantine_repair_and_replay_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
     let d = p.dir.path();
     workload(&p.source, 1, 5);
     ok(
@@ -282,7 +291,16 @@ fn quarantine_repair_and_replay() {
 
 #[test]
 fn verify_names_a_row_changed_behind_its_back() {
-    let Some(p) = pair(Major::Pg16) else { return };
+    for major in Major::ALL {
+        eprintln!("verify_names_a_row_changed_behind_its_back on {major}");
+        verify_names_a_row_changed_behind_its_back_on(major);
+    }
+}
+
+fn verify_names_a_row_changed_behind_its_back_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
     let d = p.dir.path();
     workload(&p.source, 1, 400);
     ok(
@@ -330,7 +348,16 @@ fn verify_names_a_row_changed_behind_its_back() {
 
 #[test]
 fn redelivery_after_commit_before_cursor_is_skipped_and_counted() {
-    let Some(p) = pair(Major::Pg18) else { return };
+    for major in Major::ALL {
+        eprintln!("redelivery_after_commit_before_cursor_is_skipped_and_counted on {major}");
+        redelivery_after_commit_before_cursor_is_skipped_and_counted_on(major);
+    }
+}
+
+fn redelivery_after_commit_before_cursor_is_skipped_and_counted_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
     let d = p.dir.path();
     workload(&p.source, 1, 5);
     ok(
@@ -387,7 +414,16 @@ fn redelivery_after_commit_before_cursor_is_skipped_and_counted() {
 
 #[test]
 fn writes_during_the_snapshot_leave_no_gap_and_no_duplicate() {
-    let Some(p) = pair(Major::Pg15) else { return };
+    for major in Major::ALL {
+        eprintln!("writes_during_the_snapshot_leave_no_gap_and_no_duplicate on {major}");
+        writes_during_the_snapshot_leave_no_gap_and_no_duplicate_on(major);
+    }
+}
+
+fn writes_during_the_snapshot_leave_no_gap_and_no_duplicate_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
     let d = p.dir.path();
     workload(&p.source, 1, 300);
     let stop = Arc::new(AtomicBool::new(false));
@@ -428,7 +464,16 @@ fn writes_during_the_snapshot_leave_no_gap_and_no_duplicate() {
 
 #[test]
 fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges() {
-    let Some(p) = pair(Major::Pg17) else { return };
+    for major in Major::ALL {
+        eprintln!("kill_9_mid_apply_shows_none_of_the_transaction_then_converges on {major}");
+        kill_9_mid_apply_shows_none_of_the_transaction_then_converges_on(major);
+    }
+}
+
+fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
     let d = p.dir.path();
     workload(&p.source, 1, 3);
     ok(
@@ -500,7 +545,16 @@ fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges() {
 
 #[test]
 fn reseed_repair_plan_and_locate_local() {
-    let Some(p) = pair(Major::Pg18) else { return };
+    for major in Major::ALL {
+        eprintln!("reseed_repair_plan_and_locate_local on {major}");
+        reseed_repair_plan_and_locate_local_on(major);
+    }
+}
+
+fn reseed_repair_plan_and_locate_local_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
     let d = p.dir.path();
     workload(&p.source, 1, 30);
     ok(
@@ -562,7 +616,16 @@ fn reseed_repair_plan_and_locate_local() {
 
 #[test]
 fn follow_applies_as_it_goes_and_stops_cleanly_on_sigterm() {
-    let Some(p) = pair(Major::Pg16) else { return };
+    for major in Major::ALL {
+        eprintln!("follow_applies_as_it_goes_and_stops_cleanly_on_sigterm on {major}");
+        follow_applies_as_it_goes_and_stops_cleanly_on_sigterm_on(major);
+    }
+}
+
+fn follow_applies_as_it_goes_and_stops_cleanly_on_sigterm_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
     let d = p.dir.path();
     workload(&p.source, 1, 5);
     let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
@@ -618,7 +681,14 @@ fn sales_chunk(commit: u64, index: u32, count: u32, id: i64) -> Vec<u8> {
 
 #[test]
 fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land() {
-    let Some(target) = test_cluster(Major::Pg17, &ClusterOptions::new()) else {
+    for major in Major::ALL {
+        eprintln!("chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land on {major}");
+        chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major);
+    }
+}
+
+fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: Major) {
+    let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
         return;
     };
     target.psql("CREATE TABLE public.sales (id bigint PRIMARY KEY, amount numeric, note text)");
@@ -684,7 +754,16 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land() {
 
 #[test]
 fn copy_carries_tabs_newlines_backslashes_and_nulls_exactly() {
-    let Some(p) = pair(Major::Pg18) else { return };
+    for major in Major::ALL {
+        eprintln!("copy_carries_tabs_newlines_backslashes_and_nulls_exactly on {major}");
+        copy_carries_tabs_newlines_backslashes_and_nulls_exactly_on(major);
+    }
+}
+
+fn copy_carries_tabs_newlines_backslashes_and_nulls_exactly_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
     let d = p.dir.path();
     ok(
         &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
