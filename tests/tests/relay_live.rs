@@ -284,7 +284,14 @@ fn prepared(cluster: &Cluster, dir: &Path) {
 
 #[test]
 fn a_slot_advanced_past_the_log_is_a_named_gap() {
-    let Some(cluster) = test_cluster(Major::Pg17, &ClusterOptions::new()) else {
+    for major in Major::ALL {
+        eprintln!("a_slot_advanced_past_the_log_is_a_named_gap on {major}");
+        a_slot_advanced_past_the_log_is_a_named_gap_on(major);
+    }
+}
+
+fn a_slot_advanced_past_the_log_is_a_named_gap_on(major: Major) {
+    let Some(cluster) = test_cluster(major, &ClusterOptions::new()) else {
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -302,7 +309,14 @@ fn a_slot_advanced_past_the_log_is_a_named_gap() {
 
 #[test]
 fn a_slot_held_by_another_consumer_is_named() {
-    let Some(cluster) = test_cluster(Major::Pg16, &ClusterOptions::new()) else {
+    for major in Major::ALL {
+        eprintln!("a_slot_held_by_another_consumer_is_named on {major}");
+        a_slot_held_by_another_consumer_is_named_on(major);
+    }
+}
+
+fn a_slot_held_by_another_consumer_is_named_on(major: Major) {
+    let Some(cluster) = test_cluster(major, &ClusterOptions::new()) else {
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -321,8 +335,15 @@ fn a_slot_held_by_another_consumer_is_named() {
 
 #[test]
 fn an_invalidated_slot_stops_capture_with_reseed() {
+    for major in Major::ALL {
+        eprintln!("an_invalidated_slot_stops_capture_with_reseed on {major}");
+        an_invalidated_slot_stops_capture_with_reseed_on(major);
+    }
+}
+
+fn an_invalidated_slot_stops_capture_with_reseed_on(major: Major) {
     let options = ClusterOptions::new().setting("max_slot_wal_keep_size", "1MB");
-    let Some(cluster) = test_cluster(Major::Pg15, &options) else {
+    let Some(cluster) = test_cluster(major, &options) else {
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -345,7 +366,14 @@ fn an_invalidated_slot_stops_capture_with_reseed() {
 
 #[test]
 fn schema_drift_mid_stream_stops_capture_naming_the_relation() {
-    let Some(cluster) = test_cluster(Major::Pg18, &ClusterOptions::new()) else {
+    for major in Major::ALL {
+        eprintln!("schema_drift_mid_stream_stops_capture_naming_the_relation on {major}");
+        schema_drift_mid_stream_stops_capture_naming_the_relation_on(major);
+    }
+}
+
+fn schema_drift_mid_stream_stops_capture_naming_the_relation_on(major: Major) {
+    let Some(cluster) = test_cluster(major, &ClusterOptions::new()) else {
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");
