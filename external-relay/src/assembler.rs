@@ -203,13 +203,7 @@ impl Assembler {
     ) -> Result<(), AssembleOrSink<E>> {
         match message {
             Message::Begin(begin) => {
-                if let Open::Plain(txn) = &self.open {
-                    return Err(AssemblyError::NestedTransaction {
-                        message: "Begin",
-                        xid: txn.xid,
-                    }
-                    .into());
-                }
+                self.refuse_nesting("Begin", false)?;
                 let first = if wal_start != 0 {
                     wal_start
                 } else {
@@ -236,20 +230,7 @@ impl Assembler {
             Message::Relation(rel) => self.relation(rel)?,
             Message::Type(_) => {}
             Message::StreamStart(start) => {
-                if let Open::Plain(txn) = &self.open {
-                    return Err(AssemblyError::NestedTransaction {
-                        message: "Stream Start",
-                        xid: txn.xid,
-                    }
-                    .into());
-                }
-                if let Open::Stream(open) = self.open {
-                    return Err(AssemblyError::NestedTransaction {
-                        message: "Stream Start",
-                        xid: open,
-                    }
-                    .into());
-                }
+                self.refuse_nesting("Stream Start", true)?;
                 // A later segment of a stream we never saw start would
                 // assemble a transaction without its beginning.
                 if !start.first_segment && !self.streams.contains_key(&start.xid) {
@@ -361,6 +342,20 @@ impl Assembler {
             }
         }
         Ok(())
+    }
+
+    /// `message` opens a transaction: refuse it while a plain transaction
+    /// (or, with `streams`, a stream block) is open.
+    fn refuse_nesting(&self, message: &'static str, streams: bool) -> Result<(), AssemblyError> {
+        let xid = match &self.open {
+            Open::Plain(txn) => Some(txn.xid),
+            Open::Stream(xid) if streams => Some(*xid),
+            _ => None,
+        };
+        match xid {
+            Some(xid) => Err(AssemblyError::NestedTransaction { message, xid }),
+            None => Ok(()),
+        }
     }
 
     fn current(&mut self) -> Option<&mut Txn> {

@@ -61,6 +61,15 @@ fn ok(out: &Output, what: &str) -> String {
     stdout
 }
 
+/// Runs `scenario` against each supported major, naming it on stderr so a
+/// failure says which one.
+fn on_every_major(scenario: fn(Major)) {
+    for major in Major::ALL {
+        eprintln!("on {major}");
+        scenario(major);
+    }
+}
+
 struct Pair {
     source: Cluster,
     target: Cluster,
@@ -224,10 +233,7 @@ fn public_loop(major: Major) {
 
 #[test]
 fn quarantine_repair_and_replay() {
-    for major in Major::ALL {
-        eprintln!("quarantine_repair_and_replay on {major}");
-        quarantine_repair_and_replay_on(major);
-    }
+    on_every_major(quarantine_repair_and_replay_on);
 }
 
 fn quarantine_repair_and_replay_on(major: Major) {
@@ -291,10 +297,7 @@ fn quarantine_repair_and_replay_on(major: Major) {
 
 #[test]
 fn verify_names_a_row_changed_behind_its_back() {
-    for major in Major::ALL {
-        eprintln!("verify_names_a_row_changed_behind_its_back on {major}");
-        verify_names_a_row_changed_behind_its_back_on(major);
-    }
+    on_every_major(verify_names_a_row_changed_behind_its_back_on);
 }
 
 fn verify_names_a_row_changed_behind_its_back_on(major: Major) {
@@ -348,10 +351,7 @@ fn verify_names_a_row_changed_behind_its_back_on(major: Major) {
 
 #[test]
 fn redelivery_after_commit_before_cursor_is_skipped_and_counted() {
-    for major in Major::ALL {
-        eprintln!("redelivery_after_commit_before_cursor_is_skipped_and_counted on {major}");
-        redelivery_after_commit_before_cursor_is_skipped_and_counted_on(major);
-    }
+    on_every_major(redelivery_after_commit_before_cursor_is_skipped_and_counted_on);
 }
 
 fn redelivery_after_commit_before_cursor_is_skipped_and_counted_on(major: Major) {
@@ -414,10 +414,7 @@ fn redelivery_after_commit_before_cursor_is_skipped_and_counted_on(major: Major)
 
 #[test]
 fn writes_during_the_snapshot_leave_no_gap_and_no_duplicate() {
-    for major in Major::ALL {
-        eprintln!("writes_during_the_snapshot_leave_no_gap_and_no_duplicate on {major}");
-        writes_during_the_snapshot_leave_no_gap_and_no_duplicate_on(major);
-    }
+    on_every_major(writes_during_the_snapshot_leave_no_gap_and_no_duplicate_on);
 }
 
 fn writes_during_the_snapshot_leave_no_gap_and_no_duplicate_on(major: Major) {
@@ -464,10 +461,7 @@ fn writes_during_the_snapshot_leave_no_gap_and_no_duplicate_on(major: Major) {
 
 #[test]
 fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges() {
-    for major in Major::ALL {
-        eprintln!("kill_9_mid_apply_shows_none_of_the_transaction_then_converges on {major}");
-        kill_9_mid_apply_shows_none_of_the_transaction_then_converges_on(major);
-    }
+    on_every_major(kill_9_mid_apply_shows_none_of_the_transaction_then_converges_on);
 }
 
 fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges_on(major: Major) {
@@ -545,10 +539,7 @@ fn kill_9_mid_apply_shows_none_of_the_transaction_then_converges_on(major: Major
 
 #[test]
 fn reseed_repair_plan_and_locate_local() {
-    for major in Major::ALL {
-        eprintln!("reseed_repair_plan_and_locate_local on {major}");
-        reseed_repair_plan_and_locate_local_on(major);
-    }
+    on_every_major(reseed_repair_plan_and_locate_local_on);
 }
 
 fn reseed_repair_plan_and_locate_local_on(major: Major) {
@@ -616,10 +607,7 @@ fn reseed_repair_plan_and_locate_local_on(major: Major) {
 
 #[test]
 fn follow_applies_as_it_goes_and_stops_cleanly_on_sigterm() {
-    for major in Major::ALL {
-        eprintln!("follow_applies_as_it_goes_and_stops_cleanly_on_sigterm on {major}");
-        follow_applies_as_it_goes_and_stops_cleanly_on_sigterm_on(major);
-    }
+    on_every_major(follow_applies_as_it_goes_and_stops_cleanly_on_sigterm_on);
 }
 
 fn follow_applies_as_it_goes_and_stops_cleanly_on_sigterm_on(major: Major) {
@@ -681,10 +669,7 @@ fn sales_chunk(commit: u64, index: u32, count: u32, id: i64) -> Vec<u8> {
 
 #[test]
 fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land() {
-    for major in Major::ALL {
-        eprintln!("chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land on {major}");
-        chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major);
-    }
+    on_every_major(chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on);
 }
 
 fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: Major) {
@@ -754,10 +739,7 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
 
 #[test]
 fn copy_carries_tabs_newlines_backslashes_and_nulls_exactly() {
-    for major in Major::ALL {
-        eprintln!("copy_carries_tabs_newlines_backslashes_and_nulls_exactly on {major}");
-        copy_carries_tabs_newlines_backslashes_and_nulls_exactly_on(major);
-    }
+    on_every_major(copy_carries_tabs_newlines_backslashes_and_nulls_exactly_on);
 }
 
 fn copy_carries_tabs_newlines_backslashes_and_nulls_exactly_on(major: Major) {

@@ -238,6 +238,15 @@ fn live(major: Major) {
     assert_eq!(commits.len(), n, "{major}: no transaction twice in the log");
 }
 
+/// Runs `scenario` against each supported major, naming it on stderr so a
+/// failure says which one.
+fn on_every_major(scenario: fn(Major)) {
+    for major in Major::ALL {
+        eprintln!("on {major}");
+        scenario(major);
+    }
+}
+
 /// Runs capture to completion (it must fail) and returns the error text.
 fn capture_error(config: CaptureConfig) -> String {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -284,10 +293,7 @@ fn prepared(cluster: &Cluster, dir: &Path) {
 
 #[test]
 fn a_slot_advanced_past_the_log_is_a_named_gap() {
-    for major in Major::ALL {
-        eprintln!("a_slot_advanced_past_the_log_is_a_named_gap on {major}");
-        a_slot_advanced_past_the_log_is_a_named_gap_on(major);
-    }
+    on_every_major(a_slot_advanced_past_the_log_is_a_named_gap_on);
 }
 
 fn a_slot_advanced_past_the_log_is_a_named_gap_on(major: Major) {
@@ -309,10 +315,7 @@ fn a_slot_advanced_past_the_log_is_a_named_gap_on(major: Major) {
 
 #[test]
 fn a_slot_held_by_another_consumer_is_named() {
-    for major in Major::ALL {
-        eprintln!("a_slot_held_by_another_consumer_is_named on {major}");
-        a_slot_held_by_another_consumer_is_named_on(major);
-    }
+    on_every_major(a_slot_held_by_another_consumer_is_named_on);
 }
 
 fn a_slot_held_by_another_consumer_is_named_on(major: Major) {
@@ -335,10 +338,7 @@ fn a_slot_held_by_another_consumer_is_named_on(major: Major) {
 
 #[test]
 fn an_invalidated_slot_stops_capture_with_reseed() {
-    for major in Major::ALL {
-        eprintln!("an_invalidated_slot_stops_capture_with_reseed on {major}");
-        an_invalidated_slot_stops_capture_with_reseed_on(major);
-    }
+    on_every_major(an_invalidated_slot_stops_capture_with_reseed_on);
 }
 
 fn an_invalidated_slot_stops_capture_with_reseed_on(major: Major) {
@@ -366,10 +366,7 @@ fn an_invalidated_slot_stops_capture_with_reseed_on(major: Major) {
 
 #[test]
 fn schema_drift_mid_stream_stops_capture_naming_the_relation() {
-    for major in Major::ALL {
-        eprintln!("schema_drift_mid_stream_stops_capture_naming_the_relation on {major}");
-        schema_drift_mid_stream_stops_capture_naming_the_relation_on(major);
-    }
+    on_every_major(schema_drift_mid_stream_stops_capture_naming_the_relation_on);
 }
 
 fn schema_drift_mid_stream_stops_capture_naming_the_relation_on(major: Major) {
