@@ -1,7 +1,7 @@
 //! Shared by every Trellara crate: the envelope v1 wire contract
 //! ([`envelope`]), log sequence numbers ([`lsn`]), pinned schema
 //! fingerprints ([`fingerprint`]) and the native extension's frames
-//! ([`native_frame`]).
+//! ([`native_frame`]) and socket protocol ([`native_wire`]).
 
 #[cfg(feature = "envelope")]
 pub mod envelope;
@@ -10,6 +10,8 @@ pub mod fingerprint;
 pub mod lsn;
 #[cfg(feature = "envelope")]
 pub mod native_frame;
+#[cfg(feature = "envelope")]
+pub mod native_wire;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod sample;
 

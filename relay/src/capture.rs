@@ -141,16 +141,16 @@ pub struct CaptureStats {
 
 /// Durable resume state read from the log.
 #[derive(Debug, Clone, Copy)]
-struct Resume {
+pub(crate) struct Resume {
     /// Highest commit LSN in the log: transactions at or below it are
     /// duplicates.
-    commit_lsn: Lsn,
+    pub(crate) commit_lsn: Lsn,
     /// Where the source may resume: the last envelope's end LSN, or a
     /// recorded idle advance past it.
-    ack_lsn: Lsn,
+    pub(crate) ack_lsn: Lsn,
 }
 
-fn read_resume(log: &Log<FsStorage>) -> Result<Resume, CaptureError> {
+pub(crate) fn read_resume(log: &Log<FsStorage>) -> Result<Resume, CaptureError> {
     let mut resume = Resume {
         commit_lsn: Lsn::ZERO,
         ack_lsn: Lsn::ZERO,

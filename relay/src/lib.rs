@@ -9,6 +9,7 @@ pub mod config;
 pub mod flow;
 pub mod lock;
 pub mod log;
+pub mod native;
 pub mod preflight;
 pub mod snapshot;
 pub mod state;

@@ -1,7 +1,9 @@
-//! `trellara relay`: run the external capture stage alone - a pgoutput slot
-//! into a durable log directory - until SIGTERM or Ctrl-C.
+//! `trellara relay`: run a capture stage alone until SIGTERM or Ctrl-C -
+//! either a pgoutput slot into a durable log directory (external), or, with
+//! `--native-socket`, the extension's worker over a 0600 Unix socket (native).
 
 use crate::capture::{self, CaptureConfig};
+use crate::native::{self, NativeConfig};
 use anyhow::Context;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -13,21 +15,41 @@ use trellara_external_relay::pgoutput::ProtoVersion;
 pub struct RelayArgs {
     /// Source connection string (postgresql://user[:password]@host:port/db?sslmode=...).
     /// Prefer TRELLARA_SOURCE_DATABASE_URL to keep the password out of ps.
-    #[arg(long, env = "TRELLARA_SOURCE_DATABASE_URL", hide_env_values = true)]
-    source_database_url: String,
+    #[arg(
+        long,
+        env = "TRELLARA_SOURCE_DATABASE_URL",
+        hide_env_values = true,
+        required_unless_present = "native_socket",
+        conflicts_with = "native_socket"
+    )]
+    source_database_url: Option<String>,
     /// Logical replication slot (pgoutput).
-    #[arg(long)]
-    slot: String,
+    #[arg(
+        long,
+        required_unless_present = "native_socket",
+        conflicts_with = "native_socket"
+    )]
+    slot: Option<String>,
     /// Publication(s) to stream.
-    #[arg(long = "publication", required = true)]
+    #[arg(
+        long = "publication",
+        required_unless_present = "native_socket",
+        conflicts_with = "native_socket"
+    )]
     publications: Vec<String>,
     /// Create the slot if it does not exist.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "native_socket")]
     create_slot: bool,
+    /// Native mode: listen on this Unix socket (created 0600; its directory
+    /// must not be writable by others) for the extension's capture worker.
+    /// Run the relay as the PostgreSQL server's OS user.
+    #[arg(long)]
+    native_socket: Option<PathBuf>,
     /// Durable log directory.
     #[arg(long)]
     log_dir: PathBuf,
-    /// Stable id of the source database, written into every envelope.
+    /// Stable id of the source database, written into every envelope (in
+    /// native mode: the worker's trellara.source_id must equal it).
     #[arg(long)]
     source_id: String,
     /// Dataset (flow) id; defaults to the source id.
@@ -43,13 +65,33 @@ pub struct RelayArgs {
 }
 
 pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?;
+    if let Some(socket_path) = args.native_socket {
+        let config = NativeConfig {
+            socket_path,
+            log_dir: args.log_dir,
+            source_id: args.source_id,
+            max_envelope_bytes: 256 << 20,
+            progress: None,
+        };
+        let stats = runtime.block_on(native::serve(config, crate::flow::until_signal()))?;
+        eprintln!(
+            "relay stopped: {} envelopes appended, {} duplicates skipped, {} frames rejected, {} connections",
+            stats.envelopes, stats.duplicates_skipped, stats.rejected_frames, stats.connections
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     let source = args
         .source_database_url
+        .unwrap_or_default()
         .parse()
         .context("--source-database-url")?;
     let config = CaptureConfig {
         source,
-        slot: args.slot,
+        slot: args.slot.unwrap_or_default(),
         publications: args.publications,
         create_slot: args.create_slot,
         dataset_id: args.dataset_id.unwrap_or_else(|| args.source_id.clone()),
@@ -68,10 +110,6 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         floor: Default::default(),
         progress: None,
     };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("start the async runtime")?;
     let stats = runtime.block_on(capture::run(config, crate::flow::until_signal()))?;
     eprintln!(
         "relay stopped: {} envelopes appended, {} duplicates skipped, {} reconnects",

@@ -1,0 +1,462 @@
+//! The native capture stage, relay side: the extension's background worker
+//! connects to a 0600 Unix socket; its frames are validated, reassembled
+//! into envelopes, appended to the durable log, fsynced, and only then
+//! acknowledged with the transaction's end LSN (which the worker confirms
+//! on its slot).
+//!
+//! ```text
+//!  worker ─Hello─▶ accept (peer uid = ours) ─Welcome(durable end)─▶ worker
+//!  frames ─▶ Reassembler ─▶ envelope::decode ─▶ batch ─▶ log.append_batch (fsync) ─▶ Ack(end LSN)
+//!  bad frame ─▶ quarantine/native-*.bin + Reject; the acknowledged position stays behind it
+//! ```
+//!
+//! Invariants:
+//! * **Publish, then acknowledge.** An Ack names the end LSN of a
+//!   transaction whose every chunk is in the log and fsynced.
+//! * **Private socket.** The socket file is 0600 in a directory no one else
+//!   can write, and only a peer with our uid (the server's OS user, which is
+//!   the user the relay must run as) is served.
+//! * **Duplicates, never gaps.** A worker replays from its slot; transactions
+//!   at or below the log's last complete one are skipped (and acknowledged).
+//! * **Fail closed.** A frame that does not validate is never appended: it
+//!   is kept in `quarantine/` with the reason, the worker is told why, and
+//!   the connection ends.
+
+use crate::capture::read_resume;
+use crate::log::{Log, LogConfig, storage::FsStorage};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use trellara_common::Lsn;
+use trellara_common::envelope;
+use trellara_common::native_frame::{self, FrameHeader, Reassembler};
+use trellara_common::native_wire::{self, Hello, RelayMessage};
+
+#[derive(Debug, Clone)]
+pub struct NativeConfig {
+    pub socket_path: PathBuf,
+    pub log_dir: PathBuf,
+    /// Every envelope must carry this `source.source_id`.
+    pub source_id: String,
+    /// Largest envelope (chunk) accepted; the plugin's `chunk_bytes` bound.
+    pub max_envelope_bytes: usize,
+    /// Receives the acknowledged (durable) source position as it moves.
+    pub progress: Option<Arc<tokio::sync::watch::Sender<Lsn>>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NativeError {
+    #[error(
+        "socket directory {dir} is writable by group or others (mode {mode:o})\nhint: put the socket in a directory only the server's OS user can write: chmod go-w {dir}"
+    )]
+    UnsafeDirectory { dir: String, mode: u32 },
+    #[error(
+        "{path} is owned by uid {owner}, not by this relay's uid {ours}\nhint: run the relay as the PostgreSQL server's OS user, or choose another socket path"
+    )]
+    ForeignOwner { path: String, owner: u32, ours: u32 },
+    #[error("{path} exists and is not a socket\nhint: choose another --native-socket path")]
+    NotASocket { path: String },
+    #[error(
+        "another relay is listening on {path}\nhint: one relay serves one socket; stop the other one"
+    )]
+    InUse { path: String },
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Log(#[from] crate::log::Error),
+    #[error(transparent)]
+    Capture(#[from] crate::capture::CaptureError),
+}
+
+fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> NativeError {
+    let context = context.into();
+    move |source| NativeError::Io { context, source }
+}
+
+/// What was relayed, for reporting and tests.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct NativeStats {
+    pub connections: u64,
+    pub envelopes: u64,
+    pub duplicates_skipped: u64,
+    pub rejected_frames: u64,
+}
+
+/// Binds the socket (after the safety checks) and serves workers until
+/// `shutdown` resolves.
+pub async fn serve(
+    config: NativeConfig,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<NativeStats, NativeError> {
+    let _lock = crate::lock::lock(&config.log_dir).map_err(io("lock the log directory"))?;
+    let (log, report) = Log::open(FsStorage::new(), &config.log_dir, LogConfig::default())?;
+    if let Some(torn) = &report.torn_tail {
+        tracing::warn!(segment = %torn.segment.display(), bytes = torn.truncated_bytes, "cut torn log tail left by a crash");
+    }
+    serve_on(config, &log, shutdown).await
+}
+
+/// Like [`serve`], on a log the caller opened.
+pub async fn serve_on(
+    config: NativeConfig,
+    log: &Log<FsStorage>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<NativeStats, NativeError> {
+    let listener = bind(&config.socket_path)?;
+    let _remove = RemoveOnDrop(config.socket_path.clone());
+    tracing::info!(socket = %config.socket_path.display(), "listening for the native capture worker");
+    let mut stats = NativeStats::default();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => accepted.map_err(io("accept on the native socket"))?,
+            () = &mut shutdown => return Ok(stats),
+        };
+        stats.connections += 1;
+        let result = tokio::select! {
+            r = connection(&config, log, stream, &mut stats) => r,
+            () = &mut shutdown => return Ok(stats),
+        };
+        match result {
+            Ok(()) => tracing::info!("native capture worker disconnected"),
+            // The log refusing writes is ours to report; a worker's bad
+            // frame or a dropped connection only ends that connection.
+            Err(ConnectionError::Fatal(e)) => return Err(e),
+            Err(ConnectionError::Ended(reason)) => {
+                tracing::warn!(%reason, "native capture connection ended");
+            }
+        }
+    }
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Creates the listening socket with mode 0600, refusing unsafe places.
+pub fn bind(path: &Path) -> Result<UnixListener, NativeError> {
+    let ours = nix::unistd::geteuid().as_raw();
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let dir_meta =
+        std::fs::metadata(&dir).map_err(io(format!("socket directory {}", dir.display())))?;
+    let mode = dir_meta.permissions().mode();
+    if mode & 0o022 != 0 {
+        return Err(NativeError::UnsafeDirectory {
+            dir: dir.display().to_string(),
+            mode: mode & 0o7777,
+        });
+    }
+    if dir_meta.uid() != ours {
+        return Err(NativeError::ForeignOwner {
+            path: dir.display().to_string(),
+            owner: dir_meta.uid(),
+            ours,
+        });
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) => {
+            if meta.uid() != ours {
+                return Err(NativeError::ForeignOwner {
+                    path: path.display().to_string(),
+                    owner: meta.uid(),
+                    ours,
+                });
+            }
+            if !meta.file_type().is_socket() {
+                return Err(NativeError::NotASocket {
+                    path: path.display().to_string(),
+                });
+            }
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(NativeError::InUse {
+                    path: path.display().to_string(),
+                });
+            }
+            // A stale socket of ours, left by a crash.
+            std::fs::remove_file(path)
+                .map_err(io(format!("remove stale socket {}", path.display())))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(format!("socket path {}", path.display()))(e)),
+    }
+    let listener = UnixListener::bind(path).map_err(io(format!("bind {}", path.display())))?;
+    // The directory admits no one else, so nobody can connect before this.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(io(format!("chmod 0600 {}", path.display())))?;
+    Ok(listener)
+}
+
+enum ConnectionError {
+    Fatal(NativeError),
+    Ended(String),
+}
+
+impl From<NativeError> for ConnectionError {
+    fn from(e: NativeError) -> Self {
+        ConnectionError::Fatal(e)
+    }
+}
+
+/// Appends gathered in one durability wait.
+const BATCH_BYTES: usize = 8 << 20;
+
+async fn connection(
+    config: &NativeConfig,
+    log: &Log<FsStorage>,
+    stream: UnixStream,
+    stats: &mut NativeStats,
+) -> Result<(), ConnectionError> {
+    let ended = |what: &str| {
+        let what = what.to_owned();
+        move |e: std::io::Error| ConnectionError::Ended(format!("{what}: {e}"))
+    };
+    let ours = nix::unistd::geteuid().as_raw();
+    let (read, mut write) = stream.into_split();
+    let peer = read
+        .as_ref()
+        .peer_cred()
+        .map_err(ended("read the peer's credentials"))?;
+    if peer.uid() != ours {
+        let reason = format!(
+            "peer uid {} (pid {:?}) is not the relay's uid {ours}; only the server's OS user may connect",
+            peer.uid(),
+            peer.pid()
+        );
+        let _ = write
+            .write_all(
+                &RelayMessage::Reject {
+                    reason: reason.clone(),
+                }
+                .encode(),
+            )
+            .await;
+        return Err(ConnectionError::Ended(reason));
+    }
+    let mut read = BufReader::with_capacity(256 << 10, read);
+    let mut header = [0u8; native_wire::HEADER_LEN];
+    read.read_exact(&mut header)
+        .await
+        .map_err(ended("read hello"))?;
+    let hello = match Hello::name_len(&header) {
+        Ok(len) => {
+            let mut name = vec![0u8; len];
+            read.read_exact(&mut name)
+                .await
+                .map_err(ended("read hello"))?;
+            Hello::decode(&header, &name)
+        }
+        Err(e) => Err(e),
+    };
+    let hello = match hello {
+        Ok(h) => h,
+        Err(e) => {
+            let reason = format!("bad hello: {e}");
+            let _ = write
+                .write_all(
+                    &RelayMessage::Reject {
+                        reason: reason.clone(),
+                    }
+                    .encode(),
+                )
+                .await;
+            return Err(ConnectionError::Ended(reason));
+        }
+    };
+    let resume = read_resume(log).map_err(NativeError::from)?;
+    write
+        .write_all(
+            &RelayMessage::Welcome {
+                durable_end: resume.ack_lsn.0,
+            }
+            .encode(),
+        )
+        .await
+        .map_err(ended("send welcome"))?;
+    tracing::info!(slot = %hello.slot, system_identifier = hello.system_identifier, pid = ?peer.pid(), durable_end = %resume.ack_lsn, "native capture worker connected");
+
+    let mut reassembler = Reassembler::new(config.max_envelope_bytes);
+    let mut frame = Vec::with_capacity(native_frame::MAX_FRAME_BYTES);
+    let mut batch: Vec<(u64, Vec<u8>)> = Vec::new();
+    let mut batch_bytes = 0usize;
+    let mut ack: Option<u64> = None;
+    loop {
+        frame.resize(native_frame::HEADER_LEN, 0);
+        match read.read_exact(&mut frame).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                // The worker went away; what is batched is complete
+                // transactions (or chunks) and safe to keep.
+                flush(
+                    log,
+                    &mut batch,
+                    &mut batch_bytes,
+                    &mut ack,
+                    &mut write,
+                    config,
+                    stats,
+                )
+                .await?;
+                return Ok(());
+            }
+            Err(e) => return Err(ConnectionError::Ended(format!("read frame: {e}"))),
+        }
+        let payload_len = u32::from_le_bytes([frame[24], frame[25], frame[26], frame[27]]) as usize;
+        if payload_len <= native_frame::MAX_PAYLOAD_BYTES {
+            frame.resize(native_frame::HEADER_LEN + payload_len, 0);
+            read.read_exact(&mut frame[native_frame::HEADER_LEN..])
+                .await
+                .map_err(ended("read frame payload"))?;
+        }
+        let header = match FrameHeader::parse(&frame) {
+            Ok((header, _)) => header,
+            Err(e) => return Err(reject(config, &mut write, &frame, &e.to_string(), stats).await),
+        };
+        let complete = reassembler.push(&frame).map_err(|e| e.to_string());
+        let envelope_bytes = match complete {
+            Ok(None) => None,
+            Ok(Some(bytes)) => Some(bytes),
+            Err(reason) => {
+                return Err(reject(config, &mut write, &frame, &reason, stats).await);
+            }
+        };
+        if let Some(bytes) = envelope_bytes {
+            let env = match envelope::decode(&bytes) {
+                Ok(env) => env,
+                Err(e) => {
+                    let reason = format!("envelope at commit LSN {}: {e}", Lsn(header.commit_lsn));
+                    return Err(reject(config, &mut write, &bytes, &reason, stats).await);
+                }
+            };
+            let source_id = env
+                .source
+                .as_ref()
+                .map(|s| s.source_id.as_str())
+                .unwrap_or("");
+            let boundary = env.boundary.unwrap_or_default();
+            let problem = if source_id != config.source_id {
+                Some(format!(
+                    "envelope source_id {source_id:?} is not this relay's {:?} (trellara.source_id must match the relay's --source-id)",
+                    config.source_id
+                ))
+            } else if env.commit_lsn != header.commit_lsn
+                || boundary.chunk_index != header.envelope_index
+            {
+                Some(format!(
+                    "frame header (commit LSN {}, envelope {}) disagrees with its envelope (commit LSN {}, chunk {})",
+                    Lsn(header.commit_lsn),
+                    header.envelope_index,
+                    Lsn(env.commit_lsn),
+                    boundary.chunk_index
+                ))
+            } else {
+                None
+            };
+            if let Some(reason) = problem {
+                return Err(reject(config, &mut write, &bytes, &reason, stats).await);
+            }
+            let last_chunk = boundary.chunk_index + 1 >= boundary.chunk_count.max(1);
+            if Lsn(env.commit_lsn) <= resume.commit_lsn {
+                stats.duplicates_skipped += 1;
+            } else {
+                batch_bytes += bytes.len();
+                batch.push((env.commit_lsn, bytes));
+            }
+            if last_chunk {
+                ack = Some(env.end_lsn);
+            }
+        }
+        // Group commit: append when nothing more has already arrived.
+        if read.buffer().is_empty() || batch_bytes >= BATCH_BYTES {
+            flush(
+                log,
+                &mut batch,
+                &mut batch_bytes,
+                &mut ack,
+                &mut write,
+                config,
+                stats,
+            )
+            .await?;
+        }
+    }
+}
+
+async fn flush(
+    log: &Log<FsStorage>,
+    batch: &mut Vec<(u64, Vec<u8>)>,
+    batch_bytes: &mut usize,
+    ack: &mut Option<u64>,
+    write: &mut tokio::net::unix::OwnedWriteHalf,
+    config: &NativeConfig,
+    stats: &mut NativeStats,
+) -> Result<(), ConnectionError> {
+    if !batch.is_empty() {
+        log.append_batch(batch.iter().map(|(lsn, bytes)| (*lsn, bytes.as_slice())))
+            .map_err(NativeError::from)?;
+        stats.envelopes += batch.len() as u64;
+        batch.clear();
+        *batch_bytes = 0;
+    }
+    if let Some(end_lsn) = ack.take() {
+        if let Some(progress) = &config.progress {
+            progress.send_if_modified(|p| {
+                let moved = p.0 < end_lsn;
+                *p = Lsn(p.0.max(end_lsn));
+                moved
+            });
+        }
+        write
+            .write_all(&RelayMessage::Ack { end_lsn }.encode())
+            .await
+            .map_err(|e| ConnectionError::Ended(format!("send ack: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Keeps the refused bytes and the reason in `quarantine/`, tells the
+/// worker, and ends the connection.
+async fn reject(
+    config: &NativeConfig,
+    write: &mut tokio::net::unix::OwnedWriteHalf,
+    bytes: &[u8],
+    reason: &str,
+    stats: &mut NativeStats,
+) -> ConnectionError {
+    stats.rejected_frames += 1;
+    let dir = config.log_dir.join("quarantine");
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let kept = std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(dir.join(format!("native-{stamp}.bin")), bytes))
+        .and_then(|()| std::fs::write(dir.join(format!("native-{stamp}.reason")), reason));
+    let kept = match kept {
+        Ok(()) => format!("kept in {}/native-{stamp}.bin", dir.display()),
+        Err(e) => format!("could not be kept in {}: {e}", dir.display()),
+    };
+    let message = format!("{reason} ({kept})");
+    tracing::error!(%message, "rejected a native frame; the acknowledged position stays behind it");
+    let _ = write
+        .write_all(
+            &RelayMessage::Reject {
+                reason: message.clone(),
+            }
+            .encode(),
+        )
+        .await;
+    ConnectionError::Ended(format!("rejected a frame: {message}"))
+}
