@@ -591,12 +591,13 @@ impl Session {
 /// until an error (which ends the process) or a stop request.
 fn session(config: &Config, queue: Queue, stream: UnixStream, durable_end: u64) {
     let slot = CString::new(config.slot.clone()).unwrap_or_default();
-    // SAFETY: standard slot acquisition, as pg_logical_slot_get_changes
-    // does; errors (no such slot, held by another process) are ERRORs that
-    // end the process after the status was set below.
+    // SAFETY: slot acquisition as a walsender's START_REPLICATION does it,
+    // outside a transaction (so no CheckSlotPermissions: it reads the
+    // catalog, and the worker runs as the bootstrap superuser anyway).
+    // Errors (no such slot, held by another process) are ERRORs that end
+    // the process after the status was set.
     queue.set_state(WorkerState::Starting, &format!("acquiring slot {}", config.slot));
     unsafe {
-        pg_sys::CheckSlotPermissions();
         pg_sys::CheckLogicalDecodingRequirements();
         #[cfg(not(feature = "pg18"))]
         pg_sys::ReplicationSlotAcquire(slot.as_ptr(), true);
