@@ -515,3 +515,53 @@ fn relay_refuses_unsafe_socket_paths() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("is not a socket"), "{stderr}");
 }
+
+/// `ALTER EXTENSION trellara UPDATE` from 0.1.0 yields the same functions
+/// (names, arguments, results, bodies) as a fresh install.
+#[test]
+fn upgrade_from_0_1_0_matches_a_fresh_install() {
+    on_every_major(|major| {
+        let Some(n) = Native::start(major) else {
+            return;
+        };
+        let c = &n.cluster;
+        c.psql("CREATE DATABASE upgraded");
+        let catalog = |db: &str| {
+            let mut client = c.try_connect(db).expect("connect");
+            client
+                .query(
+                    "SELECT p.proname::text, pg_get_function_arguments(p.oid), pg_get_function_result(p.oid), p.prosrc, (SELECT lanname::text FROM pg_language WHERE oid = p.prolang)
+                       FROM pg_proc p
+                       JOIN pg_depend d ON d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e'
+                       JOIN pg_extension e ON e.oid = d.refobjid AND e.extname = 'trellara'
+                      ORDER BY 1",
+                    &[],
+                )
+                .expect("catalog")
+                .iter()
+                .map(|r| (0..5).map(|i| r.get::<_, String>(i)).collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        };
+        let mut up = c.try_connect("upgraded").expect("connect");
+        up.batch_execute(
+            "CREATE EXTENSION trellara VERSION '0.1.0'; ALTER EXTENSION trellara UPDATE;",
+        )
+        .expect("update");
+        let version: String = up
+            .query_one(
+                "SELECT extversion FROM pg_extension WHERE extname = 'trellara'",
+                &[],
+            )
+            .expect("version")
+            .get(0);
+        let current = include_str!("../../extension/Cargo.toml")
+            .lines()
+            .find_map(|l| l.strip_prefix("version = \""))
+            .and_then(|v| v.strip_suffix('"'))
+            .expect("extension version");
+        assert_eq!(version, current);
+        let fresh = catalog("postgres");
+        assert!(fresh.iter().any(|f| f[0] == "start_worker"), "{fresh:?}");
+        assert_eq!(catalog("upgraded"), fresh);
+    });
+}
