@@ -7,6 +7,7 @@
 //!    │── Hello (slot, system identifier) ────────────────▶│
 //!    │◀──────────────── Welcome (durable end LSN of log) ──│ worker refuses to decode
 //!    │── frame, frame, … (native_frame, 40-byte header) ─▶│ if its slot is confirmed past it
+//!    │── Progress (idle: decoded to LSN, nothing open) ──▶│ recorded durably
 //!    │◀───────── Ack (end LSN now durable in the log) ─────│ → LogicalConfirmReceivedLocation
 //!    │◀───────── Reject (why; frame kept in quarantine) ───│ then the relay closes
 //! ```
@@ -28,6 +29,10 @@
 pub const VERSION: u8 = 1;
 /// Worker → relay, once, first: `b"TRNH"`.
 pub const HELLO_MAGIC: [u8; 4] = *b"TRNH";
+/// Worker → relay, between frames: decoding reached this LSN with no
+/// transaction open and every frame before it sent; the relay records it
+/// durably and acknowledges it, so an idle slot keeps up with the WAL.
+pub const PROGRESS_MAGIC: [u8; 4] = *b"TRNP";
 /// Relay → worker, once, answering Hello.
 pub const WELCOME_MAGIC: [u8; 4] = *b"TRNW";
 /// Relay → worker: everything up to this end LSN is durable.
@@ -118,6 +123,27 @@ impl Hello {
     }
 }
 
+/// Encodes a Progress message (16 bytes: magic, zero u32, LSN).
+pub fn encode_progress(lsn: u64) -> [u8; HEADER_LEN] {
+    let [m0, m1, m2, m3] = PROGRESS_MAGIC;
+    let [l0, l1, l2, l3, l4, l5, l6, l7] = lsn.to_le_bytes();
+    [m0, m1, m2, m3, 0, 0, 0, 0, l0, l1, l2, l3, l4, l5, l6, l7]
+}
+
+/// The LSN of a Progress message, or `None` when `bytes` is not one.
+pub fn decode_progress(bytes: &[u8; HEADER_LEN]) -> Result<Option<u64>, WireError> {
+    let [m0, m1, m2, m3, r0, r1, r2, r3, ..] = *bytes;
+    if [m0, m1, m2, m3] != PROGRESS_MAGIC {
+        return Ok(None);
+    }
+    if [r0, r1, r2, r3] != [0; 4] {
+        return Err(WireError::ReservedNotZero);
+    }
+    let mut lsn = [0u8; 8];
+    lsn.copy_from_slice(bytes.get(8..16).unwrap_or(&[0; 8]));
+    Ok(Some(u64::from_le_bytes(lsn)))
+}
+
 /// A relay → worker message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RelayMessage {
@@ -198,6 +224,7 @@ impl RelayMessage {
 }
 
 #[cfg(test)]
+#[allow(clippy::indexing_slicing)]
 mod tests {
     use super::*;
 
@@ -249,6 +276,18 @@ mod tests {
             two.extend_from_slice(&bytes);
             assert_eq!(RelayMessage::decode(&two), Ok(Some((message, bytes.len()))));
         }
+    }
+
+    #[test]
+    fn progress_round_trips_and_is_told_apart_from_frames() {
+        let bytes = encode_progress(0x0177_1860);
+        assert_eq!(decode_progress(&bytes), Ok(Some(0x0177_1860)));
+        let mut frame_start = [0u8; HEADER_LEN];
+        frame_start[..4].copy_from_slice(b"TRNF");
+        assert_eq!(decode_progress(&frame_start), Ok(None));
+        let mut bad = bytes;
+        bad[5] = 1;
+        assert_eq!(decode_progress(&bad), Err(WireError::ReservedNotZero));
     }
 
     #[test]

@@ -73,7 +73,10 @@ fn status_raw() -> TableIterator<
     let row = match shmem::get() {
         None => (
             "not_loaded".to_owned(),
-            Some("trellara is not in shared_preload_libraries; add it and restart the server".to_owned()),
+            Some(
+                "trellara is not in shared_preload_libraries; add it and restart the server"
+                    .to_owned(),
+            ),
             None,
             None,
             None,

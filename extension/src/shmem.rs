@@ -124,12 +124,9 @@ unsafe extern "C-unwind" fn startup() {
         let init_lock = &raw mut (*pg_sys::MainLWLockArray.add(21)).lock;
         pg_sys::LWLockAcquire(init_lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
         let mut found = false;
-        let shared = pg_sys::ShmemInitStruct(
-            SEGMENT.as_ptr(),
-            std::mem::size_of::<Shared>(),
-            &mut found,
-        )
-        .cast::<Shared>();
+        let shared =
+            pg_sys::ShmemInitStruct(SEGMENT.as_ptr(), std::mem::size_of::<Shared>(), &mut found)
+                .cast::<Shared>();
         if !found {
             // All-zero is a valid empty ring in state NotRunning.
             std::ptr::write_bytes(shared.cast::<u8>(), 0, std::mem::size_of::<Shared>());
@@ -266,7 +263,9 @@ impl Queue {
     }
 
     pub fn set_stop_requested(&self, stop: bool) {
-        self.with(pg_sys::LWLockMode::LW_EXCLUSIVE, |s| s.stop_requested = stop);
+        self.with(pg_sys::LWLockMode::LW_EXCLUSIVE, |s| {
+            s.stop_requested = stop
+        });
     }
 
     pub fn status(&self) -> Status {

@@ -36,7 +36,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
-use trellara_common::native_wire::{HEADER_LEN, Hello, RelayMessage};
+use trellara_common::native_wire::{self, HEADER_LEN, Hello, RelayMessage};
 
 static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(false);
 static DATABASE: GucSetting<Option<CString>> =
@@ -179,7 +179,9 @@ fn start_worker() -> i32 {
         .set_notify_pid(unsafe { pg_sys::MyProcPid })
         .load_dynamic()
         .unwrap_or_else(|_| {
-            error!("could not register the trellara capture worker: max_worker_processes is exhausted")
+            error!(
+                "could not register the trellara capture worker: max_worker_processes is exhausted"
+            )
         });
     match worker.wait_for_startup() {
         Ok(pid) => pid,
@@ -244,7 +246,9 @@ impl Config {
     fn read() -> Result<Config, String> {
         let required = |guc, name: &str| {
             setting(guc).ok_or_else(|| {
-                format!("{name} is not set; ALTER SYSTEM SET {name} = '...' and SELECT pg_reload_conf()")
+                format!(
+                    "{name} is not set; ALTER SYSTEM SET {name} = '...' and SELECT pg_reload_conf()"
+                )
             })
         };
         Ok(Config {
@@ -372,13 +376,15 @@ enum Connect {
 /// Connects, checks who owns the socket, says hello, reads the welcome.
 fn connect(config: &Config) -> Result<(UnixStream, u64), Connect> {
     let path = &config.socket_path;
-    let meta = std::fs::metadata(path)
-        .map_err(|e| Connect::Retry(format!("relay socket {path}: {e}")))?;
+    let meta =
+        std::fs::metadata(path).map_err(|e| Connect::Retry(format!("relay socket {path}: {e}")))?;
     // SAFETY: DataDir is set at startup and owned by the server's OS user.
     let data_dir = unsafe { CStr::from_ptr(pg_sys::DataDir) }
         .to_string_lossy()
         .into_owned();
-    let server_uid = std::fs::metadata(&data_dir).map(|m| m.uid()).unwrap_or(u32::MAX);
+    let server_uid = std::fs::metadata(&data_dir)
+        .map(|m| m.uid())
+        .unwrap_or(u32::MAX);
     if meta.uid() != server_uid {
         return Err(Connect::Refuse(format!(
             "relay socket {path} is owned by uid {}, not the server's uid {server_uid}; the relay must run as the server's OS user",
@@ -394,8 +400,12 @@ fn connect(config: &Config) -> Result<(UnixStream, u64), Connect> {
     let mut stream = UnixStream::connect(path)
         .map_err(|e| Connect::Retry(format!("connect to relay socket {path}: {e}")))?;
     let io = |e: std::io::Error| Connect::Retry(format!("relay socket {path}: {e}"));
-    stream.set_read_timeout(Some(config.relay_timeout)).map_err(io)?;
-    stream.set_write_timeout(Some(config.relay_timeout)).map_err(io)?;
+    stream
+        .set_read_timeout(Some(config.relay_timeout))
+        .map_err(io)?;
+    stream
+        .set_write_timeout(Some(config.relay_timeout))
+        .map_err(io)?;
     let hello = Hello {
         // SAFETY: reads pg_control's identifier from shared memory.
         system_identifier: unsafe { pg_sys::GetSystemIdentifier() },
@@ -414,7 +424,9 @@ fn connect(config: &Config) -> Result<(UnixStream, u64), Connect> {
                 return Ok((stream, durable_end));
             }
             Ok(Some((RelayMessage::Reject { reason }, _))) => {
-                return Err(Connect::Refuse(format!("relay refused the worker: {reason}")));
+                return Err(Connect::Refuse(format!(
+                    "relay refused the worker: {reason}"
+                )));
             }
             Ok(Some((other, _))) => {
                 return Err(Connect::Refuse(format!(
@@ -425,7 +437,9 @@ fn connect(config: &Config) -> Result<(UnixStream, u64), Connect> {
                 let mut more = [0u8; 512];
                 let n = stream.read(&mut more).map_err(io)?;
                 if n == 0 {
-                    return Err(Connect::Retry(format!("relay socket {path}: closed during hello")));
+                    return Err(Connect::Retry(format!(
+                        "relay socket {path}: closed during hello"
+                    )));
                 }
                 buf.extend_from_slice(more.get(..n).unwrap_or_default());
             }
@@ -442,6 +456,16 @@ struct Session {
     inflight: Vec<u8>,
     inflight_at: usize,
     has_inflight: bool,
+    /// The in-flight bytes are the ring's front frame (popped once
+    /// written), not a Progress message.
+    inflight_from_ring: bool,
+    /// End of the last WAL record decoded, and whether the reorder buffer
+    /// held no transaction after it: then everything committed below it
+    /// has been emitted, and it may be reported as progress.
+    decoded_to: u64,
+    nothing_open: bool,
+    progress_sent: u64,
+    last_progress: Instant,
     received: Vec<u8>,
     acked: u64,
     confirmed: u64,
@@ -460,7 +484,10 @@ fn with_session<R>(f: impl FnOnce(&mut Session) -> Result<R, String>) -> R {
         let mut guard = cell.borrow_mut();
         match guard.as_mut() {
             Some(session) => f(session).map_err(|e| (e, Some(session.queue))),
-            None => Err(("trellara: decoding callback outside a worker session".into(), None)),
+            None => Err((
+                "trellara: decoding callback outside a worker session".into(),
+                None,
+            )),
         }
     });
     match result {
@@ -481,7 +508,16 @@ impl Session {
         let mut moved = false;
         loop {
             if !self.has_inflight {
-                if !self.queue.front(&mut self.inflight) {
+                if self.queue.front(&mut self.inflight) {
+                    self.inflight_from_ring = true;
+                } else if self.progress_due() {
+                    self.inflight.clear();
+                    self.inflight
+                        .extend_from_slice(&native_wire::encode_progress(self.decoded_to));
+                    self.inflight_from_ring = false;
+                    self.progress_sent = self.decoded_to;
+                    self.last_progress = Instant::now();
+                } else {
                     break;
                 }
                 self.has_inflight = true;
@@ -494,7 +530,9 @@ impl Session {
                     moved = true;
                     self.inflight_at += n;
                     if self.inflight_at >= self.inflight.len() {
-                        self.queue.pop();
+                        if self.inflight_from_ring {
+                            self.queue.pop();
+                        }
                         self.has_inflight = false;
                     }
                 }
@@ -512,7 +550,9 @@ impl Session {
                         self.socket_path
                     ));
                 }
-                Ok(n) => self.received.extend_from_slice(buf.get(..n).unwrap_or_default()),
+                Ok(n) => self
+                    .received
+                    .extend_from_slice(buf.get(..n).unwrap_or_default()),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(format!("read from relay socket {}: {e}", self.socket_path)),
@@ -556,6 +596,15 @@ impl Session {
         Ok(moved)
     }
 
+    /// Idle progress is reported at most once a second, only past what was
+    /// acknowledged, and only when no transaction is open.
+    fn progress_due(&self) -> bool {
+        self.nothing_open
+            && self.decoded_to > self.acked
+            && self.decoded_to > self.progress_sent
+            && self.last_progress.elapsed() >= Duration::from_secs(1)
+    }
+
     fn set_state(&mut self, state: WorkerState, reason: &str) {
         if self.state != state {
             self.state = state;
@@ -596,7 +645,10 @@ fn session(config: &Config, queue: Queue, stream: UnixStream, durable_end: u64) 
     // catalog, and the worker runs as the bootstrap superuser anyway).
     // Errors (no such slot, held by another process) are ERRORs that end
     // the process after the status was set.
-    queue.set_state(WorkerState::Starting, &format!("acquiring slot {}", config.slot));
+    queue.set_state(
+        WorkerState::Starting,
+        &format!("acquiring slot {}", config.slot),
+    );
     unsafe {
         pg_sys::CheckLogicalDecodingRequirements();
         #[cfg(not(feature = "pg18"))]
@@ -649,6 +701,11 @@ fn session(config: &Config, queue: Queue, stream: UnixStream, durable_end: u64) 
             inflight: Vec::with_capacity(trellara_common::native_frame::MAX_FRAME_BYTES),
             inflight_at: 0,
             has_inflight: false,
+            inflight_from_ring: false,
+            decoded_to: 0,
+            nothing_open: false,
+            progress_sent: 0,
+            last_progress: Instant::now(),
             received: Vec::new(),
             acked: confirmed,
             confirmed,
@@ -712,7 +769,18 @@ fn session(config: &Config, queue: Queue, stream: UnixStream, durable_end: u64) 
                 process_record(ctx);
             }
         }
-        with_session(|s| s.pump().map(|_| ()));
+        // SAFETY: ctx and its reader and reorder buffer are live.
+        let (decoded_to, nothing_open) = unsafe {
+            (
+                (*(*ctx).reader).EndRecPtr,
+                pg_sys::ReorderBufferGetOldestTXN((*ctx).reorder).is_null(),
+            )
+        };
+        with_session(|s| {
+            s.decoded_to = decoded_to;
+            s.nothing_open = nothing_open;
+            s.pump().map(|_| ())
+        });
         pg_sys::check_for_interrupts!();
         if queue.status().stop_requested {
             queue.set_state(WorkerState::Stopped, "stopped by trellara.stop_worker()");

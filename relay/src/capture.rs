@@ -32,7 +32,7 @@ use trellara_external_relay::{AssembleOrSink, Assembler, AssemblerConfig, Assemb
 
 /// The consumer name under which the log records how far the source was
 /// acknowledged past the last envelope (idle keepalive advances).
-const SOURCE_ACK: &str = "source-ack";
+pub(crate) const SOURCE_ACK: &str = "source-ack";
 
 /// Moves the source-ack cursor's offset to the log's end (its LSN stays),
 /// so it never holds segments back from retention: it records a source

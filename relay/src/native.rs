@@ -22,7 +22,8 @@
 //!   is kept in `quarantine/` with the reason, the worker is told why, and
 //!   the connection ends.
 
-use crate::capture::read_resume;
+use crate::capture::{SOURCE_ACK, read_resume};
+use crate::log::CursorPosition;
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -108,6 +109,7 @@ pub async fn serve_on(
     log: &Log<FsStorage>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<NativeStats, NativeError> {
+    log.register_consumer(SOURCE_ACK)?;
     let listener = bind(&config.socket_path)?;
     let _remove = RemoveOnDrop(config.socket_path.clone());
     tracing::info!(socket = %config.socket_path.display(), "listening for the native capture worker");
@@ -293,7 +295,9 @@ async fn connection(
     let mut batch_bytes = 0usize;
     let mut ack: Option<u64> = None;
     loop {
-        frame.resize(native_frame::HEADER_LEN, 0);
+        // A Progress message and a frame header start alike: read 16 bytes,
+        // then the rest of a frame header when it is one.
+        frame.resize(native_wire::HEADER_LEN, 0);
         match read.read_exact(&mut frame).await {
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
@@ -313,6 +317,55 @@ async fn connection(
             }
             Err(e) => return Err(ConnectionError::Ended(format!("read frame: {e}"))),
         }
+        let mut first = [0u8; native_wire::HEADER_LEN];
+        first.copy_from_slice(&frame);
+        match native_wire::decode_progress(&first) {
+            Ok(Some(lsn)) => {
+                // Everything before it is appended first; then the advance
+                // is made durable before it is acknowledged.
+                flush(
+                    log,
+                    &mut batch,
+                    &mut batch_bytes,
+                    &mut ack,
+                    &mut write,
+                    config,
+                    stats,
+                )
+                .await?;
+                let recorded = log.cursor(SOURCE_ACK).and_then(|c| c.last_commit_lsn);
+                if recorded.is_none_or(|r| r < lsn) {
+                    log.commit_cursor(
+                        SOURCE_ACK,
+                        CursorPosition {
+                            next_offset: log.next_offset(),
+                            last_commit_lsn: Some(lsn),
+                        },
+                    )
+                    .map_err(NativeError::from)?;
+                }
+                ack = Some(lsn);
+                flush(
+                    log,
+                    &mut batch,
+                    &mut batch_bytes,
+                    &mut ack,
+                    &mut write,
+                    config,
+                    stats,
+                )
+                .await?;
+                continue;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                return Err(reject(config, &mut write, &frame, &e.to_string(), stats).await);
+            }
+        }
+        frame.resize(native_frame::HEADER_LEN, 0);
+        read.read_exact(&mut frame[native_wire::HEADER_LEN..])
+            .await
+            .map_err(ended("read frame header"))?;
         let payload_len = u32::from_le_bytes([frame[24], frame[25], frame[26], frame[27]]) as usize;
         if payload_len <= native_frame::MAX_PAYLOAD_BYTES {
             frame.resize(native_frame::HEADER_LEN + payload_len, 0);
@@ -368,6 +421,7 @@ async fn connection(
                 return Err(reject(config, &mut write, &bytes, &reason, stats).await);
             }
             let last_chunk = boundary.chunk_index + 1 >= boundary.chunk_count.max(1);
+            tracing::debug!(xid = env.xid, commit_lsn = %Lsn(env.commit_lsn), end_lsn = %Lsn(env.end_lsn), chunk = boundary.chunk_index, duplicate = Lsn(env.commit_lsn) <= resume.commit_lsn, "envelope");
             if Lsn(env.commit_lsn) <= resume.commit_lsn {
                 stats.duplicates_skipped += 1;
             } else {
@@ -411,6 +465,7 @@ async fn flush(
         *batch_bytes = 0;
     }
     if let Some(end_lsn) = ack.take() {
+        tracing::debug!(end_lsn = %Lsn(end_lsn), "ack");
         if let Some(progress) = &config.progress {
             progress.send_if_modified(|p| {
                 let moved = p.0 < end_lsn;

@@ -100,6 +100,10 @@ impl Native {
             .arg("--log-dir")
             .arg(self.log_dir())
             .args(["--source-id", SOURCE_ID])
+            .env(
+                "RUST_LOG",
+                std::env::var("TRELLARA_RELAY_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
         self.relay = Some(cmd.spawn().expect("spawn trellara relay"));
@@ -404,6 +408,18 @@ fn slot_moves_only_on_durable_acknowledgement() {
 
         n.start_relay();
         small(&n.cluster, 3);
+        n.wait_caught_up();
+
+        // WAL from another database holds no transaction of ours: the idle
+        // slot still follows it (recorded durably by the relay first), so
+        // the server can recycle that WAL.
+        n.cluster.psql("CREATE DATABASE other");
+        let mut other = n.cluster.try_connect("other").expect("connect other");
+        other
+            .batch_execute(
+                "CREATE TABLE t (i int); INSERT INTO t SELECT generate_series(1, 10000);",
+            )
+            .expect("other writes");
         n.wait_caught_up();
         n.stop_relay(false);
         n.assert_no_gap();

@@ -311,18 +311,28 @@ fn live(major: Major) {
 
     // SQL surface.
     cluster.psql("CREATE EXTENSION trellara");
+    let version = include_str!("../../extension/Cargo.toml")
+        .lines()
+        .find_map(|l| l.strip_prefix("version = \""))
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("extension version");
     assert_eq!(
         cluster.psql("SELECT trellara.extension_version(), trellara.protocol_version()"),
-        [["0.1.0", "1"]]
+        [[version, "1"]]
     );
+    // Preloaded but no worker configured or started: the queue exists and
+    // is empty; nothing is invented.
     assert_eq!(
         cluster.try_psql("SELECT * FROM trellara.status()").unwrap(),
         [[
             Some("not_running".to_owned()),
-            Some("background worker not built yet (issue 3 part 2)".to_owned()),
             None,
             None,
-            None
+            Some("0".to_owned()),
+            Some("16".to_owned()),
+            None,
+            Some("0".to_owned()),
+            Some("0".to_owned()),
         ]]
     );
 
