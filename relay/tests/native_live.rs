@@ -446,10 +446,25 @@ fn worker_killed_replays_without_gap() {
             nix::sys::signal::Signal::SIGKILL,
         )
         .expect("kill worker");
-        // The postmaster restarts every process after a backend crash.
+        // The postmaster restarts every process after a backend crash; a
+        // query may still succeed before it noticed, so wait for the new
+        // worker, not for a connection.
         let deadline = Instant::now() + Duration::from_secs(60);
-        while n.cluster.try_psql("SELECT 1").is_err() {
-            assert!(Instant::now() < deadline, "server did not come back");
+        loop {
+            let restarted = n
+                .cluster
+                .try_psql("SELECT coalesce(pid, 0) FROM trellara.status()")
+                .ok()
+                .and_then(|rows| rows.first()?.first()?.clone())
+                .and_then(|p| p.parse::<i32>().ok())
+                .is_some_and(|p| p != 0 && p != pid);
+            if restarted {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "server and worker did not come back"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
         for i in 50..100 {
