@@ -15,8 +15,9 @@ const MAX_CHUNK_BYTES: usize = 256 * 1024 * 1024;
 pub const DEFAULT_MEMORY_BUDGET_BYTES: usize = 4 * 1024 * 1024;
 const MAX_MEMORY_BUDGET_BYTES: usize = 1024 * 1024 * 1024;
 
-pub const KNOWN: [&str; 7] = [
+pub const KNOWN: [&str; 8] = [
     "source_id",
+    "tables",
     "dataset_id",
     "max_frame_bytes",
     "chunk_bytes",
@@ -43,6 +44,8 @@ pub struct Options {
     pub chunk_bytes: usize,
     pub memory_budget_bytes: usize,
     pub origin: OriginFilter,
+    /// Only these relations (`schema.table`) are captured; all when `None`.
+    pub tables: Option<Vec<String>>,
 }
 
 impl Default for Options {
@@ -54,6 +57,7 @@ impl Default for Options {
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             memory_budget_bytes: DEFAULT_MEMORY_BUDGET_BYTES,
             origin: OriginFilter::Any,
+            tables: None,
         }
     }
 }
@@ -123,6 +127,23 @@ pub fn parse(pairs: &[(String, Option<String>)]) -> Result<Options, PluginError>
                     }
                 }
             }
+            "tables" => {
+                let mut tables = Vec::new();
+                for item in required(name, value)?.split(',') {
+                    let item = item.trim();
+                    let valid = item
+                        .split_once('.')
+                        .is_some_and(|(schema, table)| !schema.is_empty() && !table.is_empty());
+                    if !valid {
+                        return Err(PluginError::invalid_option(format!(
+                            "trellara: option \"tables\" lists \"{item}\", which is not schema.table"
+                        ))
+                        .hint("Give a comma-separated list such as public.orders,public.line_items."));
+                    }
+                    tables.push(item.to_owned());
+                }
+                options.tables = Some(tables);
+            }
             "protocol_version" => {
                 let v = required(name, value)?;
                 if v.trim() != "1" {
@@ -161,8 +182,13 @@ mod tests {
             ("max_frame_bytes", Some("41")),
             ("chunk_bytes", Some("4096")),
             ("origin", Some("none")),
+            ("tables", Some("public.a, s.b")),
         ]))
         .unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(
+            o.tables,
+            Some(vec!["public.a".to_owned(), "s.b".to_owned()])
+        );
         assert_eq!(o.source_id.as_deref(), Some("src"));
         assert_eq!((o.max_frame_bytes, o.chunk_bytes), (41, 4096));
         assert_eq!(o.origin, OriginFilter::None);
@@ -179,6 +205,7 @@ mod tests {
             (vec![("max_frame_bytes", Some("40"))], "\"max_frame_bytes\""),
             (vec![("chunk_bytes", Some("x"))], "\"chunk_bytes\""),
             (vec![("origin", Some("some"))], "\"origin\""),
+            (vec![("tables", Some("public.a,nodot"))], "\"nodot\""),
             (vec![("source_id", None)], "\"source_id\""),
             (
                 vec![("protocol_version", Some("2"))],

@@ -409,6 +409,7 @@ unsafe fn change(
         deformer,
         txn,
         change_cx,
+        options,
         ..
     } = state;
     let txn = txn
@@ -419,6 +420,9 @@ unsafe fn change(
     unsafe {
         in_change_context(*change_cx, || {
             let info = relations.get(rel)?;
+            if !captured(options, &info) {
+                return Ok(());
+            }
             let action = (*change).action;
             let tp = (*change).data.tp;
             let new_tuple = heap_tuple(tp.newtuple);
@@ -542,6 +546,15 @@ unsafe extern "C-unwind" fn tr_truncate(
     }
 }
 
+/// Whether the `tables` option (if any) lists this relation.
+fn captured(options: &crate::options::Options, info: &RelationInfo) -> bool {
+    options.tables.as_ref().is_none_or(|tables| {
+        tables
+            .iter()
+            .any(|t| t.split_once('.') == Some((&info.schema.namespace, &info.schema.name)))
+    })
+}
+
 /// # Safety
 /// The pointers PostgreSQL passed to the truncate callback.
 unsafe fn truncate(
@@ -554,6 +567,7 @@ unsafe fn truncate(
         relations: cache,
         txn,
         change_cx,
+        options,
         ..
     } = state;
     let txn = txn
@@ -568,6 +582,9 @@ unsafe fn truncate(
         for &rel in rels {
             in_change_context(*change_cx, || {
                 let info = cache.get(rel)?;
+                if !captured(options, &info) {
+                    return Ok(());
+                }
                 let version = txn.version_of(&info.schema, info.encoded_len);
                 push(
                     txn,

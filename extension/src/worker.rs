@@ -45,6 +45,7 @@ static SLOT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(So
 static SOURCE_ID: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 static DATASET_ID: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 static SOCKET_PATH: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+static TABLES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 static QUEUE_CAPACITY: GucSetting<i32> = GucSetting::<i32>::new(16);
 static MAX_BACKOFF_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 static RELAY_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
@@ -98,6 +99,14 @@ pub fn define_gucs() {
         c"The local relay's Unix socket (mode 0600, owned by the server's OS user).",
         c"",
         &SOCKET_PATH,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"trellara.tables",
+        c"Comma-separated schema.table list to capture (default: every table).",
+        c"",
+        &TABLES,
         GucContext::Sighup,
         GucFlags::default(),
     );
@@ -230,6 +239,7 @@ struct Config {
     slot: String,
     source_id: String,
     dataset_id: Option<String>,
+    tables: Option<String>,
     socket_path: String,
     queue_capacity: u32,
     max_backoff: Duration,
@@ -255,6 +265,7 @@ impl Config {
             slot: required(&SLOT, "trellara.slot")?,
             source_id: required(&SOURCE_ID, "trellara.source_id")?,
             dataset_id: setting(&DATASET_ID),
+            tables: setting(&TABLES),
             socket_path: required(&SOCKET_PATH, "trellara.socket_path")?,
             queue_capacity: QUEUE_CAPACITY.get().clamp(1, shmem::SLOTS as i32) as u32,
             max_backoff: Duration::from_millis(MAX_BACKOFF_MS.get().max(100) as u64),
@@ -825,6 +836,9 @@ fn plugin_options(config: &Config) -> *mut pg_sys::List {
     let mut pairs = vec![("source_id", config.source_id.clone())];
     if let Some(dataset) = &config.dataset_id {
         pairs.push(("dataset_id", dataset.clone()));
+    }
+    if let Some(tables) = &config.tables {
+        pairs.push(("tables", tables.clone()));
     }
     let mut list: *mut pg_sys::List = std::ptr::null_mut();
     for (name, value) in pairs {

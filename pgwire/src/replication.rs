@@ -97,7 +97,29 @@ impl Connection {
         export_snapshot: bool,
         failover: bool,
     ) -> Result<SlotCreated, WireError> {
+        self.create_logical_slot_for(name, "pgoutput", export_snapshot, failover)
+            .await
+    }
+
+    /// [`Self::create_logical_slot`] with another output plugin (e.g.
+    /// `trellara` for the native path).
+    pub async fn create_logical_slot_for(
+        &mut self,
+        name: &str,
+        plugin: &str,
+        export_snapshot: bool,
+        failover: bool,
+    ) -> Result<SlotCreated, WireError> {
         validate_slot_name(name)?;
+        if plugin.is_empty()
+            || !plugin
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        {
+            return Err(WireError::Config(format!(
+                "output plugin name {plugin:?} must be lower-case letters, digits and _"
+            )));
+        }
         let version = self.server_version_num();
         let mut options = vec![format!(
             "SNAPSHOT {}",
@@ -116,7 +138,7 @@ impl Connection {
             options.push("FAILOVER true".into());
         }
         let sql = format!(
-            "CREATE_REPLICATION_SLOT {name} LOGICAL pgoutput ({})",
+            "CREATE_REPLICATION_SLOT {name} LOGICAL {plugin} ({})",
             options.join(", ")
         );
         let rows = self.simple_query(&sql).await?;

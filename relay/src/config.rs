@@ -376,13 +376,6 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
                 "use kind: local",
             );
         }
-        if flow.capture == CapturePath::Native {
-            issue(
-                at("capture"),
-                "native capture through `trellara run` is not built yet (the extension's worker and socket are pending)".into(),
-                "use capture: external",
-            );
-        }
     }
     issues
 }

@@ -10,7 +10,7 @@
 
 use crate::apply::{Applier, ApplyError, ApplyStats};
 use crate::capture::{self, CaptureConfig};
-use crate::config::Flow;
+use crate::config::{CapturePath, Flow};
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use crate::snapshot::{self, SnapshotReport};
 use crate::state::{self, SnapshotState};
@@ -46,6 +46,10 @@ pub enum FlowError {
         "flow {0} uses a transport or capture path this build cannot run; see `trellara check --config`"
     )]
     Unsupported(String),
+    #[error("{0}")]
+    Native(String),
+    #[error(transparent)]
+    NativeRelay(#[from] crate::native::NativeError),
     #[error("log directory {path}: {source}")]
     LogDir {
         path: String,
@@ -204,6 +208,7 @@ pub async fn run_once(
         .and_then(|r| r.get::<_, String>(0).parse().ok())
         .unwrap_or(Lsn::ZERO);
     let (tx, mut rx) = tokio::sync::watch::channel(Lsn::ZERO);
+    let tx = Arc::new(tx);
     // The applier wakes as soon as capture made something durable.
     let mut durable_rx = tx.subscribe();
     let config = CaptureConfig {
@@ -227,7 +232,7 @@ pub async fn run_once(
         max_backoff: Duration::from_secs(10),
         pinned: HashMap::new(),
         floor,
-        progress: Some(Arc::new(tx)),
+        progress: Some(tx.clone()),
     };
     if follow {
         progress(&format!(
@@ -266,7 +271,12 @@ pub async fn run_once(
         }
     };
     let capture = async {
-        let result = capture::run_on(config, &log, stop).await;
+        let result = match flow.capture {
+            CapturePath::External => capture::run_on(config, &log, stop)
+                .await
+                .map_err(FlowError::from),
+            CapturePath::Native => native_capture(flow, &source, &log, &log_dir, tx, stop).await,
+        };
         let _ = done_tx.send(true);
         result
     };
@@ -301,10 +311,10 @@ pub async fn run_once(
     let target = applier.client();
     let stats = match captured {
         Ok(stats) => stats,
-        Err(
+        Err(FlowError::Capture(
             err @ (capture::CaptureError::Invalidated { .. }
             | capture::CaptureError::SlotAhead { .. }),
-        ) => {
+        )) => {
             // The stream cannot continue from where the target stands: the
             // run is recoverable only by a new snapshot (reseed).
             snapshot::transition(
@@ -316,7 +326,7 @@ pub async fn run_once(
             .await?;
             return Err(err.into());
         }
-        Err(err) => return Err(err.into()),
+        Err(err) => return Err(err),
     };
     report.apply = applied?;
     report.envelopes_captured = stats.envelopes;
@@ -331,6 +341,161 @@ pub async fn run_once(
     ));
     Ok(report)
 }
+
+/// The native capture path for one run: the extension's worker on the
+/// source decodes the flow's slot and sends frames to a relay listening on
+/// `<log_dir>.sock` in this process, which appends them to `log`. Sets the
+/// worker up through SQL (extension, settings, start) and stops it at the
+/// end, so the slot is free again. This process must run as the source
+/// server's OS user (the socket admits only that uid).
+async fn native_capture(
+    flow: &Flow,
+    source: &Client,
+    log: &Log<FsStorage>,
+    log_dir: &std::path::Path,
+    progress: Arc<tokio::sync::watch::Sender<Lsn>>,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<capture::CaptureStats, FlowError> {
+    let sql_error = |what: &str, e: tokio_postgres::Error| {
+        FlowError::Native(format!(
+            "capture: native: {what} on the source: {}",
+            e.as_db_error()
+                .map_or(e.to_string(), |d| d.message().to_owned())
+        ))
+    };
+    let preload: String = source
+        .query_one("SHOW shared_preload_libraries", &[])
+        .await
+        .map_err(|e| sql_error("SHOW shared_preload_libraries", e))?
+        .get(0);
+    if !preload
+        .split(',')
+        .any(|l| l.trim().trim_matches('"') == "trellara")
+    {
+        return Err(FlowError::Native(format!(
+            "capture: native needs shared_preload_libraries to include 'trellara' on the source (it is {preload:?})\nhint: set shared_preload_libraries = 'trellara' and restart the source, or use capture: external"
+        )));
+    }
+    // The server resolves the path from its data directory: make it absolute.
+    let socket = std::path::absolute(log_dir)
+        .map_err(|source| FlowError::LogDir {
+            path: log_dir.display().to_string(),
+            source,
+        })?
+        .with_extension("sock");
+    let literal = |v: &str| format!("'{}'", v.replace('\'', "''"));
+    let setup = [
+        "CREATE EXTENSION IF NOT EXISTS trellara".to_owned(),
+        format!("ALTER SYSTEM SET trellara.slot = {}", literal(&flow.slot())),
+        format!(
+            "ALTER SYSTEM SET trellara.source_id = {}",
+            literal(&flow.source_id())
+        ),
+        format!(
+            "ALTER SYSTEM SET trellara.dataset_id = {}",
+            literal(&flow.name)
+        ),
+        format!(
+            "ALTER SYSTEM SET trellara.socket_path = {}",
+            literal(&socket.display().to_string())
+        ),
+        format!(
+            "ALTER SYSTEM SET trellara.tables = {}",
+            literal(&flow.tables.join(","))
+        ),
+        "SELECT pg_reload_conf()".to_owned(),
+    ];
+    for statement in &setup {
+        source
+            .batch_execute(statement)
+            .await
+            .map_err(|e| sql_error(statement, e))?;
+    }
+    let config = crate::native::NativeConfig {
+        socket_path: socket,
+        log_dir: log_dir.to_path_buf(),
+        source_id: flow.source_id(),
+        max_envelope_bytes: 256 << 20,
+        progress: Some(progress),
+    };
+    let serve = crate::native::serve_on(config, log, stop);
+    let start = async {
+        // A worker left by an interrupted run may be decoding with old
+        // settings: replace it.
+        source
+            .batch_execute("SELECT trellara.stop_worker(); SELECT trellara.start_worker()")
+            .await
+            .map_err(|e| sql_error("trellara.start_worker()", e))
+    };
+    let mut serve = std::pin::pin!(serve);
+    // The socket is bound on serve's first poll, before the worker starts
+    // (which retries with backoff anyway). A bind refusal ends serve first.
+    let early = tokio::select! {
+        served = &mut serve => Some(served),
+        started = start => {
+            started?;
+            None
+        }
+    };
+    // The worker reports trouble through trellara.status(); a run must
+    // fail with that reason, not wait for progress that cannot come.
+    let watch = async {
+        let mut waiting_since: Option<std::time::Instant> = None;
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let row = source
+                .query_one(
+                    "SELECT state, coalesce(reason, '') FROM trellara.status()",
+                    &[],
+                )
+                .await
+                .map_err(|e| sql_error("trellara.status()", e))?;
+            let (state, reason): (String, String) = (row.get(0), row.get(1));
+            match state.as_str() {
+                "failed_closed" => {
+                    return Err(FlowError::Native(format!(
+                        "capture: native: the worker failed closed: {reason}"
+                    )));
+                }
+                "waiting_for_relay" | "not_running" | "stopped" => {
+                    let since = *waiting_since.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() > NATIVE_WORKER_PATIENCE {
+                        return Err(FlowError::Native(format!(
+                            "capture: native: the worker has not been streaming for {} s (state {state}: {reason})\nhint: see trellara.status() and the source's server log",
+                            NATIVE_WORKER_PATIENCE.as_secs()
+                        )));
+                    }
+                }
+                _ => waiting_since = None,
+            }
+        }
+    };
+    let served = match early {
+        Some(served) => served,
+        None => tokio::select! {
+            served = serve => served,
+            failed = watch => {
+                let _ = source.batch_execute("SELECT trellara.stop_worker()").await;
+                return failed;
+            }
+        },
+    };
+    let stopped = source
+        .batch_execute("SELECT trellara.stop_worker()")
+        .await
+        .map_err(|e| sql_error("trellara.stop_worker()", e));
+    let stats = served?;
+    stopped?;
+    Ok(capture::CaptureStats {
+        envelopes: stats.envelopes,
+        duplicates_skipped: stats.duplicates_skipped,
+        reconnects: stats.connections.saturating_sub(1),
+    })
+}
+
+/// How long the native worker may be away from streaming before a run
+/// gives up with its reason.
+const NATIVE_WORKER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// How often a following run trims the log.
 const RETENTION_EVERY: Duration = Duration::from_secs(10);

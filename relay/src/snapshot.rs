@@ -156,7 +156,13 @@ pub async fn run(
             "dropped slot {slot} of an interrupted snapshot run"
         ));
     }
-    let created = repl.create_logical_slot(&slot, true, false).await?;
+    let plugin = match flow.capture {
+        crate::config::CapturePath::Native => "trellara",
+        crate::config::CapturePath::External => "pgoutput",
+    };
+    let created = repl
+        .create_logical_slot_for(&slot, plugin, true, false)
+        .await?;
     let snapshot = created
         .snapshot_name
         .clone()

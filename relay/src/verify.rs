@@ -346,12 +346,26 @@ pub async fn verify(
             });
         }
     }
-    let pending = source
-        .query_opt(
-            "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1, NULL, 1, 'proto_version', '1', 'publication_names', $2)",
-            &[&flow.slot(), &flow.publication()],
-        )
-        .await;
+    // Peek with the slot's own plugin: pgoutput with the publication, or
+    // the native plugin restricted to the flow's tables.
+    let pending = match flow.capture {
+        crate::config::CapturePath::External => {
+            source
+                .query_opt(
+                    "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1, NULL, 1, 'proto_version', '1', 'publication_names', $2)",
+                    &[&flow.slot(), &flow.publication()],
+                )
+                .await
+        }
+        crate::config::CapturePath::Native => {
+            source
+                .query_opt(
+                    "SELECT count(*) FROM pg_logical_slot_peek_binary_changes($1, NULL, 1, 'source_id', $2, 'tables', $3)",
+                    &[&flow.slot(), &flow.source_id(), &flow.tables.join(",")],
+                )
+                .await
+        }
+    };
     drop(lock);
     match pending {
         Ok(Some(r)) if r.get::<_, i64>(0) > 0 => divergences.push(Divergence {

@@ -596,3 +596,88 @@ fn upgrade_from_0_1_0_matches_a_fresh_install() {
         assert_eq!(catalog("upgraded"), fresh);
     });
 }
+
+/// `trellara run` with `capture: native`: the operator only preloaded the
+/// library; run creates the extension and the slot (plugin trellara, with
+/// the snapshot boundary), configures and starts the worker, relays its
+/// frames into the log and applies them: CONVERGED, twice, with writes to
+/// a table outside the flow left out by the worker.
+#[test]
+fn run_with_native_capture_converges() {
+    on_every_major(|major| {
+        if !enabled(major) {
+            return;
+        }
+        let Some(source) = test_cluster(
+            major,
+            &ClusterOptions::new().shared_preload_library("trellara"),
+        ) else {
+            return;
+        };
+        let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+            return;
+        };
+        let schema = "CREATE TABLE public.orders (id bigint PRIMARY KEY, note text, qty int)";
+        source.psql(schema);
+        source.psql("CREATE TABLE public.elsewhere (id bigint PRIMARY KEY)");
+        target.psql(schema);
+        source
+            .psql("INSERT INTO public.orders SELECT i, 'n' || i, i FROM generate_series(1, 500) i");
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let owner = nix::unistd::User::from_name(OS_USER)
+            .expect("getpwnam")
+            .expect("OS user");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))
+            .expect("chmod");
+        nix::unistd::chown(dir.path(), Some(owner.uid), Some(owner.gid)).expect("chown");
+        let trellara = |args: &[&str]| {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_trellara"));
+            std::os::unix::process::CommandExt::uid(&mut cmd, owner.uid.as_raw());
+            std::os::unix::process::CommandExt::gid(&mut cmd, owner.gid.as_raw());
+            let out = cmd
+                .current_dir(dir.path())
+                .env("HOME", dir.path())
+                .args(args)
+                .output()
+                .expect("run trellara");
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            assert!(
+                out.status.success(),
+                "trellara {args:?} failed on {major}:\n{stdout}\n{}\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                source.log_contents()
+            );
+            stdout
+        };
+        trellara(&[
+            "init",
+            "--source-database-url",
+            &source.connection_string("postgres"),
+            "--target-database-url",
+            &target.connection_string("postgres"),
+            "--table",
+            "public.orders",
+            "--capture",
+            "native",
+            "--evaluate",
+        ]);
+        let first = trellara(&["run", "--config", "trellara.yml", "--local", "--verify"]);
+        assert!(first.contains("CONVERGED"), "{first}");
+
+        source.psql(
+            "INSERT INTO public.orders SELECT i, 'n' || i, i FROM generate_series(501, 800) i;
+             UPDATE public.orders SET qty = qty + 1 WHERE id <= 100;
+             DELETE FROM public.orders WHERE id BETWEEN 200 AND 210;
+             INSERT INTO public.elsewhere SELECT generate_series(1, 50);",
+        );
+        let second = trellara(&["run", "--config", "trellara.yml", "--local", "--verify"]);
+        assert!(second.contains("CONVERGED"), "{second}");
+        assert_eq!(
+            target.psql_value("SELECT count(*) || ':' || sum(qty) FROM public.orders"),
+            source.psql_value("SELECT count(*) || ':' || sum(qty) FROM public.orders")
+        );
+        let status = source.psql_value("SELECT state FROM trellara.status()");
+        assert_eq!(status, "stopped", "run stops the worker it started");
+    });
+}
