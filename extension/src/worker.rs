@@ -553,13 +553,14 @@ impl Session {
             }
         }
         let mut buf = [0u8; 4096];
+        // Acks that arrived before the relay closed still count: confirm
+        // them first, then report the close.
+        let mut closed = false;
         loop {
             match self.stream.read(&mut buf) {
                 Ok(0) => {
-                    return Err(format!(
-                        "relay socket {}: the relay closed the connection",
-                        self.socket_path
-                    ));
+                    closed = true;
+                    break;
                 }
                 Ok(n) => self
                     .received
@@ -600,6 +601,12 @@ impl Session {
             self.confirmed = self.acked;
             self.queue.set_acked(self.acked, acks);
             moved = true;
+        }
+        if closed {
+            return Err(format!(
+                "relay socket {}: the relay closed the connection",
+                self.socket_path
+            ));
         }
         if moved {
             self.last_activity = Instant::now();

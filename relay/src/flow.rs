@@ -411,6 +411,7 @@ async fn native_capture(
             .await
             .map_err(|e| sql_error(statement, e))?;
     }
+    let progress_rx = progress.subscribe();
     let config = crate::native::NativeConfig {
         socket_path: socket,
         log_dir: log_dir.to_path_buf(),
@@ -480,6 +481,27 @@ async fn native_capture(
             }
         },
     };
+    // The last Ack is on its way to the worker: let it confirm the slot
+    // before stopping it, so the slot ends where the log does.
+    let durable = progress_rx.borrow().0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        let confirmed: Option<String> = source
+            .query_opt(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                &[&flow.slot()],
+            )
+            .await
+            .map_err(|e| sql_error("read the slot", e))?
+            .and_then(|r| r.get(0));
+        if confirmed
+            .and_then(|c| c.parse::<Lsn>().ok())
+            .is_some_and(|c| c.0 >= durable)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let stopped = source
         .batch_execute("SELECT trellara.stop_worker()")
         .await
