@@ -681,3 +681,36 @@ fn run_with_native_capture_converges() {
         assert_eq!(status, "stopped", "run stops the worker it started");
     });
 }
+
+/// `trellara relay --config` serves a native flow: the socket is
+/// `<log_dir>.sock` next to the flow's log, under the same safety rules;
+/// an external flow is refused with the reason.
+#[test]
+fn relay_config_mode_uses_the_flow() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).expect("mkdir");
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let config = |capture: &str| {
+        format!(
+            "schema_version: 2\nflows:\n  - name: shop\n    source:\n      url: postgresql://u@127.0.0.1:1/db\n    target:\n      url: postgresql://u@127.0.0.1:2/db\n    tables: [public.orders]\n    capture: {capture}\n    transport:\n      kind: local\n      log_dir: ./open/log\n"
+        )
+    };
+    let run = |capture: &str| {
+        std::fs::write(dir.path().join("trellara.yml"), config(capture)).expect("write");
+        let out = Command::new(env!("CARGO_BIN_EXE_trellara"))
+            .current_dir(dir.path())
+            .args(["relay", "--config", "trellara.yml"])
+            .output()
+            .expect("run");
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let native = run("native");
+    assert!(
+        native.contains("writable by group or others") && native.contains("open"),
+        "{native}"
+    );
+    let external = run("external");
+    assert!(external.contains("capture: external"), "{external}");
+}

@@ -19,21 +19,21 @@ pub struct RelayArgs {
         long,
         env = "TRELLARA_SOURCE_DATABASE_URL",
         hide_env_values = true,
-        required_unless_present = "native_socket",
+        required_unless_present_any = ["native_socket", "config"],
         conflicts_with = "native_socket"
     )]
     source_database_url: Option<String>,
     /// Logical replication slot (pgoutput).
     #[arg(
         long,
-        required_unless_present = "native_socket",
+        required_unless_present_any = ["native_socket", "config"],
         conflicts_with = "native_socket"
     )]
     slot: Option<String>,
     /// Publication(s) to stream.
     #[arg(
         long = "publication",
-        required_unless_present = "native_socket",
+        required_unless_present_any = ["native_socket", "config"],
         conflicts_with = "native_socket"
     )]
     publications: Vec<String>,
@@ -45,13 +45,20 @@ pub struct RelayArgs {
     /// Run the relay as the PostgreSQL server's OS user.
     #[arg(long)]
     native_socket: Option<PathBuf>,
+    /// Native mode from a flow with `capture: native`: the socket is
+    /// `<log_dir>.sock`, the log and source id are the flow's.
+    #[arg(long, conflicts_with_all = ["native_socket", "source_database_url", "slot", "publications", "log_dir", "source_id"])]
+    config: Option<PathBuf>,
+    /// The flow in --config (default: the only one).
+    #[arg(long, requires = "config")]
+    flow: Option<String>,
     /// Durable log directory.
-    #[arg(long)]
-    log_dir: PathBuf,
+    #[arg(long, required_unless_present = "config")]
+    log_dir: Option<PathBuf>,
     /// Stable id of the source database, written into every envelope (in
     /// native mode: the worker's trellara.source_id must equal it).
-    #[arg(long)]
-    source_id: String,
+    #[arg(long, required_unless_present = "config")]
+    source_id: Option<String>,
     /// Dataset (flow) id; defaults to the source id.
     #[arg(long)]
     dataset_id: Option<String>,
@@ -69,11 +76,51 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("start the async runtime")?;
+    if let Some(path) = &args.config {
+        let config = crate::config::load(path)?;
+        let flows: Vec<_> = config
+            .flows
+            .iter()
+            .filter(|f| args.flow.as_deref().is_none_or(|n| f.name == n))
+            .collect();
+        let [flow] = flows.as_slice() else {
+            anyhow::bail!(
+                "{}: {} flows match; pick one with --flow NAME",
+                path.display(),
+                flows.len()
+            );
+        };
+        if flow.capture != crate::config::CapturePath::Native {
+            anyhow::bail!(
+                "flow {} has capture: external; `trellara relay --config` serves native flows (for external capture `trellara run` streams the slot itself)",
+                flow.name
+            );
+        }
+        let log_dir = flow
+            .log_dir()
+            .ok_or_else(|| anyhow::anyhow!("flow {} has no local log_dir", flow.name))?;
+        let log_dir = std::path::absolute(log_dir).context("resolve log_dir")?;
+        let config = NativeConfig {
+            socket_path: log_dir.with_extension("sock"),
+            log_dir,
+            source_id: flow.source_id(),
+            max_envelope_bytes: 256 << 20,
+            progress: None,
+        };
+        let stats = runtime.block_on(native::serve(config, crate::flow::until_signal()))?;
+        eprintln!(
+            "relay stopped: {} envelopes appended, {} duplicates skipped, {} frames rejected, {} connections",
+            stats.envelopes, stats.duplicates_skipped, stats.rejected_frames, stats.connections
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    let log_dir = args.log_dir.unwrap_or_default();
+    let source_id = args.source_id.unwrap_or_default();
     if let Some(socket_path) = args.native_socket {
         let config = NativeConfig {
             socket_path,
-            log_dir: args.log_dir,
-            source_id: args.source_id,
+            log_dir,
+            source_id,
             max_envelope_bytes: 256 << 20,
             progress: None,
         };
@@ -94,9 +141,9 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         slot: args.slot.unwrap_or_default(),
         publications: args.publications,
         create_slot: args.create_slot,
-        dataset_id: args.dataset_id.unwrap_or_else(|| args.source_id.clone()),
-        source_id: args.source_id,
-        log_dir: args.log_dir,
+        dataset_id: args.dataset_id.unwrap_or_else(|| source_id.clone()),
+        source_id,
+        log_dir,
         proto_version: if args.proto_version == 1 {
             ProtoVersion::V1
         } else {
