@@ -204,30 +204,30 @@ impl Queue {
         })
     }
 
-    /// Copies the oldest frame into `out` (cleared first); false when empty.
-    pub fn front(&self, out: &mut Vec<u8>) -> bool {
-        out.clear();
+    /// Appends every queued frame, oldest first, to `out`, and each one's
+    /// end offset in `out` to `ends` (one lock for the lot, so the sender
+    /// can hand them to the socket in one write). Returns how many.
+    pub fn copy_all(&self, out: &mut Vec<u8>, ends: &mut Vec<usize>) -> usize {
         self.with(pg_sys::LWLockMode::LW_SHARED, |s| {
-            if s.len == 0 {
-                return false;
+            for i in 0..s.len {
+                let at = ((s.head + i) as usize) % SLOTS;
+                let len = s.frame_len.get(at).copied().unwrap_or(0) as usize;
+                if let Some(bytes) = s.data.get(at).and_then(|d| d.get(..len)) {
+                    out.extend_from_slice(bytes);
+                }
+                ends.push(out.len());
             }
-            let at = s.head as usize % SLOTS;
-            let len = s.frame_len.get(at).copied().unwrap_or(0) as usize;
-            if let Some(bytes) = s.data.get(at).and_then(|d| d.get(..len)) {
-                out.extend_from_slice(bytes);
-            }
-            true
+            s.len as usize
         })
     }
 
-    /// Frees the oldest slot (its frame was written to the socket).
-    pub fn pop(&self) {
+    /// Frees the `n` oldest slots (their frames were written to the socket).
+    pub fn pop_n(&self, n: usize) {
         self.with(pg_sys::LWLockMode::LW_EXCLUSIVE, |s| {
-            if s.len > 0 {
-                s.head = (s.head + 1) % SLOTS as u32;
-                s.len -= 1;
-                s.frames_sent += 1;
-            }
+            let n = (n as u32).min(s.len);
+            s.head = (s.head + n) % SLOTS as u32;
+            s.len -= n;
+            s.frames_sent += u64::from(n);
         });
     }
 

@@ -466,10 +466,13 @@ struct Session {
     socket_path: String,
     inflight: Vec<u8>,
     inflight_at: usize,
-    has_inflight: bool,
-    /// The in-flight bytes are the ring's front frame (popped once
-    /// written), not a Progress message.
-    inflight_from_ring: bool,
+    /// End offsets in `inflight` of the ring frames it holds (none for a
+    /// Progress message), and how many of them were popped.
+    frame_ends: Vec<usize>,
+    popped: usize,
+    /// Frames queued since the last pump.
+    queued: usize,
+    last_pump: Instant,
     /// End of the last WAL record decoded, and whether the reorder buffer
     /// held no transaction after it: then everything committed below it
     /// has been emitted, and it may be reported as progress.
@@ -517,22 +520,29 @@ impl Session {
     /// confirms the slot up to the last one. True when anything moved.
     fn pump(&mut self) -> Result<bool, String> {
         let mut moved = false;
+        self.queued = 0;
+        self.last_pump = Instant::now();
         loop {
-            if !self.has_inflight {
-                if self.queue.front(&mut self.inflight) {
-                    self.inflight_from_ring = true;
-                } else if self.progress_due() {
-                    self.inflight.clear();
+            if !self.has_inflight() {
+                // Everything copied was written (and popped): take what the
+                // ring holds now, in one write, or an idle Progress.
+                self.inflight.clear();
+                self.frame_ends.clear();
+                self.inflight_at = 0;
+                self.popped = 0;
+                if self
+                    .queue
+                    .copy_all(&mut self.inflight, &mut self.frame_ends)
+                    == 0
+                {
+                    if !self.progress_due() {
+                        break;
+                    }
                     self.inflight
                         .extend_from_slice(&native_wire::encode_progress(self.decoded_to));
-                    self.inflight_from_ring = false;
                     self.progress_sent = self.decoded_to;
                     self.last_progress = Instant::now();
-                } else {
-                    break;
                 }
-                self.has_inflight = true;
-                self.inflight_at = 0;
             }
             let rest = self.inflight.get(self.inflight_at..).unwrap_or_default();
             match self.stream.write(rest) {
@@ -540,11 +550,17 @@ impl Session {
                 Ok(n) => {
                     moved = true;
                     self.inflight_at += n;
-                    if self.inflight_at >= self.inflight.len() {
-                        if self.inflight_from_ring {
-                            self.queue.pop();
-                        }
-                        self.has_inflight = false;
+                    // A slot is freed only once its whole frame is out.
+                    let written = self
+                        .frame_ends
+                        .get(self.popped..)
+                        .unwrap_or_default()
+                        .iter()
+                        .take_while(|&&end| end <= self.inflight_at)
+                        .count();
+                    if written > 0 {
+                        self.queue.pop_n(written);
+                        self.popped += written;
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -614,6 +630,10 @@ impl Session {
         Ok(moved)
     }
 
+    fn has_inflight(&self) -> bool {
+        self.inflight_at < self.inflight.len()
+    }
+
     /// Idle progress is reported at most once a second, only past what was
     /// acknowledged, and only when no transaction is open.
     fn progress_due(&self) -> bool {
@@ -637,7 +657,7 @@ impl Session {
             | pg_sys::WL_SOCKET_READABLE
             | pg_sys::WL_TIMEOUT
             | pg_sys::WL_EXIT_ON_PM_DEATH;
-        if self.has_inflight {
+        if self.has_inflight() {
             events |= pg_sys::WL_SOCKET_WRITEABLE;
         }
         // SAFETY: our latch and an open socket we own.
@@ -658,15 +678,15 @@ impl Session {
 /// until an error (which ends the process) or a stop request.
 fn session(config: &Config, queue: Queue, stream: UnixStream, durable_end: u64) {
     let slot = CString::new(config.slot.clone()).unwrap_or_default();
+    queue.set_state(
+        WorkerState::Starting,
+        &format!("acquiring slot {}", config.slot),
+    );
     // SAFETY: slot acquisition as a walsender's START_REPLICATION does it,
     // outside a transaction (so no CheckSlotPermissions: it reads the
     // catalog, and the worker runs as the bootstrap superuser anyway).
     // Errors (no such slot, held by another process) are ERRORs that end
     // the process after the status was set.
-    queue.set_state(
-        WorkerState::Starting,
-        &format!("acquiring slot {}", config.slot),
-    );
     unsafe {
         pg_sys::CheckLogicalDecodingRequirements();
         #[cfg(not(feature = "pg18"))]
@@ -718,8 +738,10 @@ fn session(config: &Config, queue: Queue, stream: UnixStream, durable_end: u64) 
             socket_path: config.socket_path.clone(),
             inflight: Vec::with_capacity(trellara_common::native_frame::MAX_FRAME_BYTES),
             inflight_at: 0,
-            has_inflight: false,
-            inflight_from_ring: false,
+            frame_ends: Vec::with_capacity(shmem::SLOTS),
+            popped: 0,
+            queued: 0,
+            last_pump: Instant::now(),
             decoded_to: 0,
             nothing_open: false,
             progress_sent: 0,
@@ -797,7 +819,15 @@ fn session(config: &Config, queue: Queue, stream: UnixStream, durable_end: u64) 
         with_session(|s| {
             s.decoded_to = decoded_to;
             s.nothing_open = nothing_open;
-            s.pump().map(|_| ())
+            // Between records, service the socket every 8 frames or every
+            // millisecond: a write and a read per WAL record would cost
+            // more than decoding it. (At the end of WAL, page_read pumps
+            // at once, so a caught-up worker sends each commit right away.)
+            if s.queued >= 8 || s.last_pump.elapsed() >= Duration::from_millis(1) {
+                s.pump().map(|_| ())
+            } else {
+                Ok(())
+            }
         });
         pg_sys::check_for_interrupts!();
         if queue.status().stop_requested {
@@ -907,10 +937,10 @@ unsafe extern "C-unwind" fn page_read(
             return read;
         }
         with_session(|s| {
-            if !s.pump()? && !s.has_inflight {
+            if !s.pump()? && !s.has_inflight() {
                 s.set_state(WorkerState::Running, "");
                 s.wait(idle_timeout(s.last_activity.elapsed()));
-            } else if s.has_inflight {
+            } else if s.has_inflight() {
                 s.wait(Duration::from_millis(10));
             }
             Ok(())
@@ -952,7 +982,11 @@ unsafe extern "C-unwind" fn do_write(
         std::slice::from_raw_parts((*out).data.cast::<u8>(), (*out).len as usize)
     };
     loop {
-        let pushed = with_session(|s| Ok(s.queue.push(frame)));
+        let pushed = with_session(|s| {
+            let pushed = s.queue.push(frame);
+            s.queued += usize::from(pushed);
+            Ok(pushed)
+        });
         if pushed {
             break;
         }
@@ -969,7 +1003,6 @@ unsafe extern "C-unwind" fn do_write(
         pg_sys::check_for_interrupts!();
     }
     with_session(|s| {
-        s.pump()?;
         if s.state == WorkerState::Backpressured {
             s.set_state(WorkerState::Running, "");
         }

@@ -427,7 +427,8 @@ fn slot_moves_only_on_durable_acknowledgement() {
 }
 
 /// SIGKILL of the worker (the server restarts its processes; the worker
-/// comes back and replays from confirmed_flush): duplicates at most, no gap.
+/// comes back and replays from confirmed_flush), then SIGTERM (only the
+/// worker restarts): duplicates at most, no gap.
 #[test]
 fn worker_killed_replays_without_gap() {
     on_every_major(|major| {
@@ -473,10 +474,31 @@ fn worker_killed_replays_without_gap() {
         let (_, _, new_pid, _) = n.wait_state("running");
         assert_ne!(new_pid, pid, "a new worker process");
         n.wait_caught_up();
+
+        // SIGTERM (pg_terminate_backend): the worker exits, PostgreSQL
+        // restarts it, it replays; only the worker restarts this time.
+        n.cluster
+            .psql(&format!("SELECT pg_terminate_backend({new_pid})"));
+        for i in 100..110 {
+            small(&n.cluster, i);
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (state, _, pid, _) = n.status();
+            if state == "running" && pid != new_pid && pid != 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "worker not restarted after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        n.wait_caught_up();
         n.stop_relay(false);
         let logged = n.assert_no_gap();
-        assert_eq!(n.source_xids().len(), 100);
-        assert!(logged.len() >= 100);
+        assert_eq!(n.source_xids().len(), 110);
+        assert!(logged.len() >= 110);
     });
 }
 
@@ -713,4 +735,136 @@ fn relay_config_mode_uses_the_flow() {
     );
     let external = run("external");
     assert!(external.contains("capture: external"), "{external}");
+}
+
+/// The relay's side of the socket, driven by a test client with the
+/// relay's own uid (no server needed): a good transaction is appended,
+/// fsynced and acknowledged with its end LSN; a frame with one flipped
+/// byte is rejected by name, kept in quarantine, and nothing after it is
+/// appended or acknowledged.
+#[test]
+fn relay_acknowledges_good_frames_and_quarantines_a_bad_one() {
+    use std::io::{Read, Write};
+    use trellara_common::native_frame::encode_frames;
+    use trellara_common::native_wire::{Hello, RelayMessage};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let socket = dir.path().join("relay.sock");
+    let log_dir = dir.path().join("log");
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .arg("relay")
+        .arg("--native-socket")
+        .arg(&socket)
+        .arg("--log-dir")
+        .arg(&log_dir)
+        .args(["--source-id", "sample-src"])
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("relay");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "no socket");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mode = std::fs::metadata(&socket)
+        .expect("socket")
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600);
+
+    let mut conn = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let hello = Hello {
+        system_identifier: 7,
+        slot: "s".into(),
+    };
+    conn.write_all(&hello.encode().expect("hello"))
+        .expect("send hello");
+    let read_message = |conn: &mut std::os::unix::net::UnixStream| {
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 512];
+        loop {
+            if let Some((message, _)) = RelayMessage::decode(&buf).expect("relay message") {
+                return message;
+            }
+            let n = conn.read(&mut chunk).expect("read");
+            assert!(n > 0, "relay closed early");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    };
+    assert_eq!(
+        read_message(&mut conn),
+        RelayMessage::Welcome { durable_end: 0 }
+    );
+
+    let frames_of = |mut env: envelope::Envelope, commit: u64| {
+        env.commit_lsn = commit;
+        env.end_lsn = commit + 0x30;
+        env.begin_lsn = commit - 0x100;
+        if let Some(source) = env.source.as_mut() {
+            source.source_id = "sample-src".into();
+        }
+        let bytes = envelope::encode(&env).expect("encode");
+        let mut writer = encode_frames(commit, 0, &bytes, 64 * 1024).expect("frames");
+        let mut frames = Vec::new();
+        let mut frame = Vec::new();
+        while writer.write_next(&mut frame) {
+            frames.push(std::mem::take(&mut frame));
+        }
+        frames
+    };
+    let good = frames_of(trellara_common::sample::insert_transaction(3, 10), 0x1000);
+    for frame in &good {
+        conn.write_all(frame).expect("send");
+    }
+    assert_eq!(
+        read_message(&mut conn),
+        RelayMessage::Ack { end_lsn: 0x1030 }
+    );
+
+    let mut bad = frames_of(trellara_common::sample::insert_transaction(3, 10), 0x2000);
+    let last = bad.len() - 1;
+    let at = bad[last].len() - 5;
+    bad[last][at] ^= 0x01;
+    for frame in &bad {
+        conn.write_all(frame).expect("send");
+    }
+    match read_message(&mut conn) {
+        RelayMessage::Reject { reason } => {
+            assert!(
+                reason.contains("checksum") && reason.contains("quarantine"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected a reject, got {other:?}"),
+    }
+    let mut rest = Vec::new();
+    let _ = conn.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "nothing after the reject: {rest:?}");
+    let kept: Vec<_> = std::fs::read_dir(log_dir.join("quarantine"))
+        .expect("quarantine dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(kept.iter().any(|n| n.ends_with(".bin")), "{kept:?}");
+    assert!(kept.iter().any(|n| n.ends_with(".reason")), "{kept:?}");
+
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(relay.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = relay.wait();
+    let (log, _) = Log::open(FsStorage::new(), &log_dir, LogConfig::default()).expect("open log");
+    let commits: Vec<u64> = log
+        .read_from(log.first_offset())
+        .expect("read")
+        .map(|r| {
+            envelope::decode(&r.expect("record").payload)
+                .expect("envelope")
+                .commit_lsn
+        })
+        .collect();
+    assert_eq!(commits, [0x1000], "only the good transaction is in the log");
 }
