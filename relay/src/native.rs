@@ -194,10 +194,15 @@ pub fn bind(path: &Path) -> Result<UnixListener, NativeError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io(format!("socket path {}", path.display()))(e)),
     }
-    let listener = UnixListener::bind(path).map_err(io(format!("bind {}", path.display())))?;
-    // The directory admits no one else, so nobody can connect before this.
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(io(format!("chmod 0600 {}", path.display())))?;
+    // Bound under a temporary name, made 0600, then renamed into place: the
+    // socket never exists at `path` with any other mode.
+    let staging = path.with_extension(format!("binding-{}", std::process::id()));
+    let _ = std::fs::remove_file(&staging);
+    let listener =
+        UnixListener::bind(&staging).map_err(io(format!("bind {}", staging.display())))?;
+    std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o600))
+        .map_err(io(format!("chmod 0600 {}", staging.display())))?;
+    std::fs::rename(&staging, path).map_err(io(format!("rename into {}", path.display())))?;
     Ok(listener)
 }
 
