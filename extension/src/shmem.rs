@@ -71,6 +71,9 @@ struct Shared {
     state: u32,
     pid: i32,
     stop_requested: bool,
+    /// Bumped by every start_worker(): a worker registered for an older
+    /// generation (one PostgreSQL restarts after it was replaced) exits.
+    generation: u64,
     reason_len: u32,
     acked_lsn: u64,
     frames_sent: u64,
@@ -231,14 +234,57 @@ impl Queue {
         });
     }
 
-    /// Empties the ring (a new session replays from the slot).
-    pub fn reset(&self, capacity: u32, pid: i32) {
+    /// Empties the ring (a new session, holding the slot, replays from it).
+    pub fn reset(&self, capacity: u32) {
         self.with(pg_sys::LWLockMode::LW_EXCLUSIVE, |s| {
             s.head = 0;
             s.len = 0;
             s.capacity = capacity.clamp(1, SLOTS as u32);
-            s.pid = pid;
         });
+    }
+
+    /// Claims the worker role for `generation`: false when a newer
+    /// start_worker() replaced it. After a crash-restart (shared memory
+    /// re-initialised, generation 0) the first worker to start adopts its
+    /// own generation.
+    pub fn claim(&self, generation: u64, pid: i32) -> bool {
+        self.with(pg_sys::LWLockMode::LW_EXCLUSIVE, |s| {
+            if s.generation == 0 {
+                s.generation = generation;
+            }
+            if s.generation != generation {
+                return false;
+            }
+            s.pid = pid;
+            true
+        })
+    }
+
+    /// A new generation for start_worker(); the previous workers retire.
+    pub fn next_generation(&self) -> u64 {
+        self.with(pg_sys::LWLockMode::LW_EXCLUSIVE, |s| {
+            // Never 0 (that means "not claimed yet" after a restart) and
+            // never 1 (the boot-time worker's).
+            s.generation = s.generation.max(1) + 1;
+            s.generation
+        })
+    }
+
+    /// The worker is gone (it stops for good, or lost its role).
+    pub fn clear_pid(&self, pid: i32) {
+        self.with(pg_sys::LWLockMode::LW_EXCLUSIVE, |s| {
+            if s.pid == pid {
+                s.pid = 0;
+            }
+        });
+    }
+
+    /// Sets the state, except over a recorded `failed_closed` (a later,
+    /// vaguer error must not hide the reason).
+    pub fn set_state_unless_failed(&self, state: WorkerState, reason: &str) {
+        let failed = WorkerState::FailedClosed as u32;
+        self.with(pg_sys::LWLockMode::LW_EXCLUSIVE, |s| s.state != failed)
+            .then(|| self.set_state(state, reason));
     }
 
     pub fn set_state(&self, state: WorkerState, reason: &str) {

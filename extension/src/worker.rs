@@ -154,6 +154,7 @@ pub fn register_static_worker() {
         .enable_spi_access()
         .set_restart_time(Some(Duration::from_secs(1)))
         .set_argument(Some(pg_sys::Datum::from(0u32)))
+        .set_extra("1")
         .load();
 }
 
@@ -175,6 +176,7 @@ fn start_worker() -> i32 {
         );
     }
     queue.set_stop_requested(false);
+    let generation = queue.next_generation();
     // SAFETY: a backend global set at connection start.
     let database = unsafe { pg_sys::MyDatabaseId };
     let worker = BackgroundWorkerBuilder::new(WORKER_NAME)
@@ -184,6 +186,7 @@ fn start_worker() -> i32 {
         .enable_spi_access()
         .set_restart_time(Some(Duration::from_secs(1)))
         .set_argument(Some(pg_sys::Datum::from(database.to_u32())))
+        .set_extra(&generation.to_string())
         // SAFETY: a backend global.
         .set_notify_pid(unsafe { pg_sys::MyProcPid })
         .load_dynamic()
@@ -208,29 +211,27 @@ fn stop_worker() -> bool {
     };
     queue.set_stop_requested(true);
     let pid = queue.status().pid;
-    if pid == 0 || !backend_alive(pid) {
-        return false;
-    }
-    let _ = Spi::get_one_with_args::<bool>("SELECT pg_terminate_backend($1)", &[pid.into()]);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if !backend_alive(pid) {
-            break;
+    let running = pid != 0 && backend_alive(pid);
+    if running {
+        let _ = Spi::get_one_with_args::<bool>("SELECT pg_terminate_backend($1)", &[pid.into()]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && backend_alive(pid) {
+            std::thread::sleep(Duration::from_millis(20));
+            pg_sys::check_for_interrupts!();
         }
-        std::thread::sleep(Duration::from_millis(20));
-        pg_sys::check_for_interrupts!();
+        queue.clear_pid(pid);
     }
-    true
+    // A registration PostgreSQL restarts later sees stop_requested and
+    // exits for good; say so now rather than showing its last state.
+    queue.set_state(WorkerState::Stopped, "stopped by trellara.stop_worker()");
+    running
 }
 
 fn backend_alive(pid: i32) -> bool {
-    Spi::get_one_with_args::<bool>(
-        "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)",
-        &[pid.into()],
-    )
-    .ok()
-    .flatten()
-    .unwrap_or(false)
+    // Not pg_stat_activity: its snapshot is fixed for the transaction, so a
+    // loop waiting for the worker to exit would never see it go.
+    // SAFETY: a lookup in the shared proc array by pid.
+    pid != 0 && !unsafe { pg_sys::BackendPidGetProc(pid) }.is_null()
 }
 
 /// What one worker run needs, read at its start.
@@ -292,8 +293,17 @@ pub extern "C-unwind" fn trellara_worker_main(arg: pg_sys::Datum) {
     let Some(queue) = shmem::get() else {
         return;
     };
+    // SAFETY: a backend global.
+    let pid = unsafe { pg_sys::MyProcPid };
+    let generation: u64 = BackgroundWorker::get_extra().parse().unwrap_or(1);
+    if !queue.claim(generation, pid) {
+        // Replaced by a newer start_worker(): exit code 0 unregisters us.
+        // SAFETY: ends this process; nothing was acquired yet.
+        unsafe { pg_sys::proc_exit(0) };
+    }
     if queue.status().stop_requested {
         queue.set_state(WorkerState::Stopped, "stopped by trellara.stop_worker()");
+        queue.clear_pid(pid);
         // SAFETY: exit code 0 unregisters the worker (no restart).
         unsafe { pg_sys::proc_exit(0) };
     }
@@ -308,10 +318,7 @@ pub extern "C-unwind" fn trellara_worker_main(arg: pg_sys::Datum) {
     // pg_reload_conf() that configured them: read the files ourselves.
     // SAFETY: the standard SIGHUP processing, outside any transaction.
     unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
-    // SAFETY: a backend global.
-    let pid = unsafe { pg_sys::MyProcPid };
-    queue.reset(QUEUE_CAPACITY.get().clamp(1, 16) as u32, pid);
-    queue.set_state(WorkerState::Starting, "");
+    queue.set_state_unless_failed(WorkerState::Starting, "");
     let config = match Config::read() {
         Ok(config) => config,
         Err(reason) => {
@@ -319,19 +326,37 @@ pub extern "C-unwind" fn trellara_worker_main(arg: pg_sys::Datum) {
             return;
         }
     };
-    queue.reset(config.queue_capacity, pid);
 
     let mut backoff = Duration::from_millis(250);
     loop {
         if queue.status().stop_requested {
             queue.set_state(WorkerState::Stopped, "stopped by trellara.stop_worker()");
+            queue.clear_pid(pid);
             // SAFETY: see above.
             unsafe { pg_sys::proc_exit(0) };
         }
         match connect(&config) {
             Ok((stream, durable_end)) => {
                 backoff = Duration::from_millis(250);
-                session(&config, queue, stream, durable_end);
+                // Record why decoding failed before PostgreSQL ends the
+                // process (a relay failure was recorded as such already).
+                pgrx::PgTryBuilder::new(|| session(&config, queue, stream, durable_end))
+                    .catch_others(|error| {
+                        let message = match &error {
+                            pgrx::pg_sys::panic::CaughtError::PostgresError(r)
+                            | pgrx::pg_sys::panic::CaughtError::ErrorReport(r) => {
+                                r.message().to_owned()
+                            }
+                            pgrx::pg_sys::panic::CaughtError::RustPanic { ereport, .. } => {
+                                ereport.message().to_owned()
+                            }
+                        };
+                        if queue.status().state != WorkerState::WaitingForRelay {
+                            queue.set_state(WorkerState::FailedClosed, &message);
+                        }
+                        error.rethrow()
+                    })
+                    .execute();
             }
             Err(Connect::Retry(reason)) => {
                 queue.set_state(
@@ -464,6 +489,7 @@ struct Session {
     queue: Queue,
     stream: UnixStream,
     socket_path: String,
+    max_backoff: Duration,
     inflight: Vec<u8>,
     inflight_at: usize,
     /// End offsets in `inflight` of the ring frames it holds (none for a
@@ -508,7 +534,7 @@ fn with_session<R>(f: impl FnOnce(&mut Session) -> Result<R, String>) -> R {
         Ok(r) => r,
         Err((reason, queue)) => {
             if let Some(queue) = queue {
-                queue.set_state(WorkerState::WaitingForRelay, &reason);
+                queue.set_state_unless_failed(WorkerState::WaitingForRelay, &reason);
             }
             error!("trellara capture worker: {reason}");
         }
@@ -598,8 +624,10 @@ impl Session {
                             self.acked = self.acked.max(end_lsn);
                         }
                         RelayMessage::Reject { reason } => {
+                            // Replaying at once would send the same frame
+                            // again: wait as long as for a missing relay.
                             let reason = format!("the relay rejected a frame: {reason}");
-                            self.queue.set_state(WorkerState::FailedClosed, &reason);
+                            fail_closed_and_wait(&self.queue, &reason, self.max_backoff);
                             return Err(reason);
                         }
                         RelayMessage::Welcome { .. } => {
@@ -731,11 +759,14 @@ fn session(config: &Config, queue: Queue, stream: UnixStream, durable_end: u64) 
         );
         return;
     }
+    // This process holds the slot: the ring is ours to start afresh.
+    queue.reset(config.queue_capacity);
     SESSION.with(|cell| {
         *cell.borrow_mut() = Some(Session {
             queue,
             stream,
             socket_path: config.socket_path.clone(),
+            max_backoff: config.max_backoff,
             inflight: Vec::with_capacity(trellara_common::native_frame::MAX_FRAME_BYTES),
             inflight_at: 0,
             frame_ends: Vec::with_capacity(shmem::SLOTS),

@@ -492,7 +492,8 @@ async fn native_capture(
                 &[&flow.slot()],
             )
             .await
-            .map_err(|e| sql_error("read the slot", e))?
+            .ok()
+            .flatten()
             .and_then(|r| r.get(0));
         if confirmed
             .and_then(|c| c.parse::<Lsn>().ok())

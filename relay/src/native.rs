@@ -7,7 +7,7 @@
 //! ```text
 //!  worker ─Hello─▶ accept (peer uid = ours) ─Welcome(durable end)─▶ worker
 //!  frames ─▶ Reassembler ─▶ envelope::decode ─▶ batch ─▶ log.append_batch (fsync) ─▶ Ack(end LSN)
-//!  bad frame ─▶ quarantine/native-*.bin + Reject; the acknowledged position stays behind it
+//!  bad frame ─▶ quarantine/native-<xxh3>.bin + Reject; the acknowledged position stays behind it
 //! ```
 //!
 //! Invariants:
@@ -300,6 +300,20 @@ async fn connection(
     let mut batch_bytes = 0usize;
     let mut ack: Option<u64> = None;
     loop {
+        // Group commit: append (and acknowledge) what is gathered before any
+        // read that would wait - the rest of a frame may take long to come.
+        if (!batch.is_empty() || ack.is_some()) && !next_message_buffered(read.buffer()) {
+            flush(
+                log,
+                &mut batch,
+                &mut batch_bytes,
+                &mut ack,
+                &mut write,
+                config,
+                stats,
+            )
+            .await?;
+        }
         // A Progress message and a frame header start alike: read 16 bytes,
         // then the rest of a frame header when it is one.
         frame.resize(native_wire::HEADER_LEN, 0);
@@ -437,8 +451,7 @@ async fn connection(
                 ack = Some(env.end_lsn);
             }
         }
-        // Group commit: append when nothing more has already arrived.
-        if read.buffer().is_empty() || batch_bytes >= BATCH_BYTES {
+        if batch_bytes >= BATCH_BYTES {
             flush(
                 log,
                 &mut batch,
@@ -450,6 +463,20 @@ async fn connection(
             )
             .await?;
         }
+    }
+}
+
+/// Whether `buffered` holds a whole next message (a Progress, or a frame
+/// with its payload), so reading it will not wait.
+fn next_message_buffered(buffered: &[u8]) -> bool {
+    if buffered.starts_with(&native_wire::PROGRESS_MAGIC) {
+        return buffered.len() >= native_wire::HEADER_LEN;
+    }
+    match buffered.get(24..28) {
+        Some(&[a, b, c, d]) => {
+            buffered.len() >= native_frame::HEADER_LEN + u32::from_le_bytes([a, b, c, d]) as usize
+        }
+        _ => false,
     }
 }
 
@@ -486,7 +513,8 @@ async fn flush(
     Ok(())
 }
 
-/// Keeps the refused bytes and the reason in `quarantine/`, tells the
+/// Keeps the refused bytes and the reason in `quarantine/` (one file per
+/// distinct content), tells the
 /// worker, and ends the connection.
 async fn reject(
     config: &NativeConfig,
@@ -497,10 +525,9 @@ async fn reject(
 ) -> ConnectionError {
     stats.rejected_frames += 1;
     let dir = config.log_dir.join("quarantine");
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
+    // Named by content: a worker replaying the same bad frame after its
+    // backoff overwrites one file instead of filling the disk.
+    let stamp = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes));
     let kept = std::fs::create_dir_all(&dir)
         .and_then(|()| std::fs::write(dir.join(format!("native-{stamp}.bin")), bytes))
         .and_then(|()| std::fs::write(dir.join(format!("native-{stamp}.reason")), reason));

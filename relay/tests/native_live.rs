@@ -868,3 +868,40 @@ fn relay_acknowledges_good_frames_and_quarantines_a_bad_one() {
         .collect();
     assert_eq!(commits, [0x1000], "only the good transaction is in the log");
 }
+
+/// Replacing a running worker in one transaction (what `trellara run` does
+/// with a worker left by an interrupted run): the old one goes for good -
+/// PostgreSQL's restart of its registration retires itself - and exactly
+/// one worker, the new one, streams.
+#[test]
+fn start_worker_replaces_the_running_worker() {
+    on_every_major(|major| {
+        let Some(mut n) = Native::start(major) else {
+            return;
+        };
+        n.start_relay();
+        let (_, _, old_pid, _) = n.wait_state("running");
+        let mut client = n.cluster.connect();
+        let mut tx = client.transaction().expect("begin");
+        tx.execute("SELECT trellara.stop_worker()", &[])
+            .expect("stop");
+        let new_pid: i32 = tx
+            .query_one("SELECT trellara.start_worker()", &[])
+            .expect("start")
+            .get(0);
+        tx.commit().expect("commit");
+        assert_ne!(new_pid, old_pid);
+        // Past the 1 s restart of the old registration.
+        std::thread::sleep(Duration::from_secs(3));
+        let workers = n.cluster.psql_value(
+            "SELECT string_agg(pid::text, ',') FROM pg_stat_activity WHERE backend_type = 'trellara capture'",
+        );
+        assert_eq!(workers, new_pid.to_string(), "one worker, the new one");
+        let (state, _, pid, _) = n.wait_state("running");
+        assert_eq!((state.as_str(), pid), ("running", new_pid));
+        small(&n.cluster, 1);
+        n.wait_caught_up();
+        n.stop_relay(false);
+        n.assert_no_gap();
+    });
+}
