@@ -17,6 +17,7 @@
 mod config;
 mod connection;
 mod replication;
+mod sql_tls;
 mod tls;
 
 pub use config::{ConnectOptions, SslMode};
@@ -25,6 +26,7 @@ pub use replication::{
     IdentifySystem, ReplicationEvent, ReplicationStream, SlotCreated, SlotInfo, quote_literal,
     validate_slot_name,
 };
+pub use sql_tls::{MakeTls, TlsStream, sql_config};
 
 /// Errors of the replication client. `Server` carries the server's own
 /// message and SQLSTATE.

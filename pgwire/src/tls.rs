@@ -58,7 +58,7 @@ pub async fn negotiate(
     Ok(Box::new(stream))
 }
 
-fn client_config(options: &ConnectOptions) -> Result<rustls::ClientConfig, WireError> {
+pub(crate) fn client_config(options: &ConnectOptions) -> Result<rustls::ClientConfig, WireError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()

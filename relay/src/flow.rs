@@ -17,7 +17,7 @@ use crate::state::{self, SnapshotState};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 use trellara_common::Lsn;
 use trellara_external_relay::pgoutput::ProtoVersion;
 
@@ -48,6 +48,12 @@ pub enum FlowError {
     Unsupported(String),
     #[error("{0}")]
     Native(String),
+    #[error("the {side} database URL ({target}): {message}")]
+    Url {
+        side: &'static str,
+        target: String,
+        message: String,
+    },
     #[error(transparent)]
     NativeRelay(#[from] crate::native::NativeError),
     #[error("log directory {path}: {source}")]
@@ -71,7 +77,18 @@ pub struct RunReport {
 
 /// Opens a plain SQL connection; the connection task runs in the background.
 pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError> {
-    let (client, connection) = tokio_postgres::connect(url, NoTls)
+    // The same connection string rules and TLS (sslmode, sslrootcert) as
+    // the replication sessions.
+    let (config, tls) = url
+        .parse::<trellara_external_relay::pgwire::ConnectOptions>()
+        .and_then(|options| trellara_external_relay::pgwire::sql_config(&options))
+        .map_err(|e| FlowError::Url {
+            side,
+            target: redact(url),
+            message: e.to_string(),
+        })?;
+    let (client, connection) = config
+        .connect(tls)
         .await
         .map_err(|source| FlowError::Connect {
             side,

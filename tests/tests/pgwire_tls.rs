@@ -266,6 +266,58 @@ fn tls_and_scram_on_a_real_server() {
     assert_eq!(stats.envelopes, 1);
 }
 
+/// Plain SQL sessions (snapshot copy, apply, verify use them) through
+/// tokio-postgres with the same TLS: verify-full with the right CA is
+/// encrypted (pg_stat_ssl says so), a wrong CA and a server without TLS are
+/// refused when TLS is required.
+#[test]
+fn sql_sessions_use_the_same_tls() {
+    let Some(cluster) = test_cluster(Major::Pg15, &ClusterOptions::new()) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = secure(&cluster, dir.path());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let sql = |query: &str| -> Result<bool, String> {
+        let options = options(&cluster, query, "correct horse");
+        rt.block_on(async {
+            let (config, tls) =
+                trellara_external_relay::pgwire::sql_config(&options).map_err(|e| e.to_string())?;
+            let (client, connection) = config.connect(tls).await.map_err(|e| e.to_string())?;
+            tokio::spawn(connection);
+            let row = client
+                .query_one(
+                    "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+                    &[],
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(row.get::<_, bool>(0))
+        })
+    };
+    assert_eq!(
+        sql(&format!("sslmode=verify-full&sslrootcert={}", ca.display())),
+        Ok(true),
+        "verify-full with the right CA is an encrypted session"
+    );
+    assert_eq!(sql("sslmode=require"), Ok(true));
+    let (other_ca, _, _) = issue(dir.path(), "other");
+    let wrong = sql(&format!(
+        "sslmode=verify-full&sslrootcert={}",
+        other_ca.display()
+    ));
+    assert!(
+        wrong.is_err(),
+        "a certificate from another CA is refused: {wrong:?}"
+    );
+    // pg_hba rejects rep without TLS: sslmode=disable cannot get in.
+    let plain = sql("sslmode=disable");
+    assert!(plain.is_err(), "{plain:?}");
+}
+
 #[test]
 fn slots_with_exported_snapshot_and_failover() {
     for major in [Major::Pg16, Major::Pg17] {
