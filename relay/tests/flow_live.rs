@@ -776,3 +776,97 @@ fn copy_carries_tabs_newlines_backslashes_and_nulls_exactly_on(major: Major) {
         "back\\slash \\N"
     );
 }
+
+/// Crash drills: `run --follow` (capture and apply in one process) is
+/// killed with SIGKILL at a pseudo-random moment while a workload writes,
+/// several times; after each, a plain `run --verify` must recover and end
+/// CONVERGED. The seed is printed; TRELLARA_DRILL_SEED replays a sequence.
+#[test]
+fn crash_drills_under_load_converge() {
+    on_every_major(crash_drills_under_load_converge_on);
+}
+
+fn crash_drills_under_load_converge_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    let seed: u64 = std::env::var("TRELLARA_DRILL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed_0000 + u64::from(major.number()));
+    eprintln!("crash drills on {major}: seed {seed}");
+    let mut state = seed;
+    let mut next = move || {
+        // xorshift64: deterministic moments from the seed.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    ok(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        "first run",
+    );
+    let mut first: i64 = 1_000;
+    for drill in 0..3 {
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let stop = Arc::clone(&stop);
+            let url = p.source.connection_config("postgres");
+            let start = first;
+            std::thread::spawn(move || {
+                let mut client = postgres::Client::connect(&url, postgres::NoTls).expect("connect");
+                let mut o = start;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut tx = client.transaction().expect("begin");
+                    tx.execute(
+                        "INSERT INTO public.line_items VALUES ($1, 1, 1, 1.00, 'drill')",
+                        &[&o],
+                    )
+                    .expect("line");
+                    tx.execute(
+                        "INSERT INTO public.orders VALUES ($1, 'drill', 1.00)",
+                        &[&o],
+                    )
+                    .expect("order");
+                    tx.commit().expect("commit");
+                    o += 1;
+                }
+                o
+            })
+        };
+        let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+            .current_dir(d)
+            .args(["run", "--config", "trellara.yml", "--local", "--follow"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn run --follow");
+        let moment = 200 + next() % 1500;
+        std::thread::sleep(std::time::Duration::from_millis(moment));
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .expect("sigkill");
+        let _ = child.wait();
+        stop.store(true, Ordering::Relaxed);
+        first = writer.join().expect("writer") + 1;
+        let out = ok(
+            &trellara(
+                d,
+                &["run", "--config", "trellara.yml", "--local", "--verify"],
+            ),
+            &format!("recovery run after drill {drill} (killed at {moment} ms, seed {seed})"),
+        );
+        assert!(
+            out.contains("shop CONVERGED"),
+            "drill {drill} (killed at {moment} ms, seed {seed}):\n{out}"
+        );
+    }
+    assert_eq!(
+        p.target.psql_value("SELECT count(*) FROM public.orders"),
+        p.source.psql_value("SELECT count(*) FROM public.orders")
+    );
+}
