@@ -150,7 +150,9 @@ pub(crate) struct Resume {
     pub(crate) ack_lsn: Lsn,
 }
 
-pub(crate) fn read_resume(log: &Log<FsStorage>) -> Result<Resume, CaptureError> {
+pub(crate) fn read_resume<S: crate::log::storage::Storage>(
+    log: &Log<S>,
+) -> Result<Resume, CaptureError> {
     let mut resume = Resume {
         commit_lsn: Lsn::ZERO,
         ack_lsn: Lsn::ZERO,

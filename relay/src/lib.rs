@@ -11,6 +11,8 @@ pub mod lock;
 pub mod log;
 pub mod native;
 pub mod preflight;
+#[cfg(test)]
+mod sim;
 pub mod snapshot;
 pub mod state;
 pub mod verify;

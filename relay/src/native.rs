@@ -206,9 +206,45 @@ pub fn bind(path: &Path) -> Result<UnixListener, NativeError> {
     Ok(listener)
 }
 
-enum ConnectionError {
+#[derive(Debug)]
+pub(crate) enum ConnectionError {
     Fatal(NativeError),
     Ended(String),
+}
+
+/// A window in the relay's ordering where the deterministic simulator
+/// (`crate::sim`) can stop it as if the process died. Production passes
+/// [`NoCrash`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CrashPoint {
+    /// A whole envelope was received and batched, not yet appended.
+    ReceivedNotAppended,
+    /// Appended and fsynced, the Ack not yet sent.
+    AppendedNotAcknowledged,
+    /// The Ack was sent.
+    Acknowledged,
+}
+
+pub(crate) trait CrashHooks {
+    /// True: stop here (the caller treats it as the process dying).
+    fn crash_at(&self, point: CrashPoint) -> bool;
+}
+
+pub(crate) struct NoCrash;
+
+impl CrashHooks for NoCrash {
+    fn crash_at(&self, _: CrashPoint) -> bool {
+        false
+    }
+}
+
+fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), ConnectionError> {
+    if hooks.crash_at(point) {
+        return Err(ConnectionError::Ended(format!(
+            "simulated crash at {point:?}"
+        )));
+    }
+    Ok(())
 }
 
 impl From<NativeError> for ConnectionError {
@@ -293,6 +329,30 @@ async fn connection(
         .await
         .map_err(ended("send welcome"))?;
     tracing::info!(slot = %hello.slot, system_identifier = hello.system_identifier, pid = ?peer.pid(), durable_end = %resume.ack_lsn, "native capture worker connected");
+    serve_frames(config, log, resume, &mut read, &mut write, stats, &NoCrash).await
+}
+
+/// The relay's ordering after the hello: frames in, validated, batched,
+/// appended with one fsync, then acknowledged. Generic over the log's
+/// storage and the byte streams so the simulator runs this very code.
+pub(crate) async fn serve_frames<S, R, W>(
+    config: &NativeConfig,
+    log: &Log<S>,
+    resume: crate::capture::Resume,
+    read: &mut BufReader<R>,
+    mut write: &mut W,
+    stats: &mut NativeStats,
+    hooks: &dyn CrashHooks,
+) -> Result<(), ConnectionError>
+where
+    S: crate::log::storage::Storage,
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let ended = |what: &str| {
+        let what = what.to_owned();
+        move |e: std::io::Error| ConnectionError::Ended(format!("{what}: {e}"))
+    };
 
     let mut reassembler = Reassembler::new(config.max_envelope_bytes);
     let mut frame = Vec::with_capacity(native_frame::MAX_FRAME_BYTES);
@@ -311,6 +371,7 @@ async fn connection(
                 &mut write,
                 config,
                 stats,
+                hooks,
             )
             .await?;
         }
@@ -330,6 +391,7 @@ async fn connection(
                     &mut write,
                     config,
                     stats,
+                    hooks,
                 )
                 .await?;
                 return Ok(());
@@ -350,6 +412,7 @@ async fn connection(
                     &mut write,
                     config,
                     stats,
+                    hooks,
                 )
                 .await?;
                 let recorded = log.cursor(SOURCE_ACK).and_then(|c| c.last_commit_lsn);
@@ -372,6 +435,7 @@ async fn connection(
                     &mut write,
                     config,
                     stats,
+                    hooks,
                 )
                 .await?;
                 continue;
@@ -446,6 +510,7 @@ async fn connection(
             } else {
                 batch_bytes += bytes.len();
                 batch.push((env.commit_lsn, bytes));
+                crash(hooks, CrashPoint::ReceivedNotAppended)?;
             }
             if last_chunk {
                 ack = Some(env.end_lsn);
@@ -460,6 +525,7 @@ async fn connection(
                 &mut write,
                 config,
                 stats,
+                hooks,
             )
             .await?;
         }
@@ -480,21 +546,40 @@ fn next_message_buffered(buffered: &[u8]) -> bool {
     }
 }
 
-async fn flush(
-    log: &Log<FsStorage>,
+#[allow(clippy::too_many_arguments)]
+async fn flush<S: crate::log::storage::Storage, W: tokio::io::AsyncWrite + Unpin>(
+    log: &Log<S>,
     batch: &mut Vec<(u64, Vec<u8>)>,
     batch_bytes: &mut usize,
     ack: &mut Option<u64>,
-    write: &mut tokio::net::unix::OwnedWriteHalf,
+    write: &mut W,
     config: &NativeConfig,
     stats: &mut NativeStats,
+    hooks: &dyn CrashHooks,
 ) -> Result<(), ConnectionError> {
+    #[cfg(test)]
+    if mutation::ACK_BEFORE_APPEND.with(std::cell::Cell::get) {
+        // The broken ordering the mutation check expects the simulator to
+        // catch: acknowledge first, append after.
+        if let Some(end_lsn) = ack.take() {
+            write
+                .write_all(&RelayMessage::Ack { end_lsn }.encode())
+                .await
+                .map_err(|e| ConnectionError::Ended(format!("send ack: {e}")))?;
+            write
+                .flush()
+                .await
+                .map_err(|e| ConnectionError::Ended(format!("send ack: {e}")))?;
+            crash(hooks, CrashPoint::Acknowledged)?;
+        }
+    }
     if !batch.is_empty() {
         log.append_batch(batch.iter().map(|(lsn, bytes)| (*lsn, bytes.as_slice())))
             .map_err(NativeError::from)?;
         stats.envelopes += batch.len() as u64;
         batch.clear();
         *batch_bytes = 0;
+        crash(hooks, CrashPoint::AppendedNotAcknowledged)?;
     }
     if let Some(end_lsn) = ack.take() {
         tracing::debug!(end_lsn = %Lsn(end_lsn), "ack");
@@ -509,6 +594,11 @@ async fn flush(
             .write_all(&RelayMessage::Ack { end_lsn }.encode())
             .await
             .map_err(|e| ConnectionError::Ended(format!("send ack: {e}")))?;
+        write
+            .flush()
+            .await
+            .map_err(|e| ConnectionError::Ended(format!("send ack: {e}")))?;
+        crash(hooks, CrashPoint::Acknowledged)?;
     }
     Ok(())
 }
@@ -516,9 +606,9 @@ async fn flush(
 /// Keeps the refused bytes and the reason in `quarantine/` (one file per
 /// distinct content), tells the
 /// worker, and ends the connection.
-async fn reject(
+async fn reject<W: tokio::io::AsyncWrite + Unpin>(
     config: &NativeConfig,
-    write: &mut tokio::net::unix::OwnedWriteHalf,
+    write: &mut W,
     bytes: &[u8],
     reason: &str,
     stats: &mut NativeStats,
@@ -546,4 +636,13 @@ async fn reject(
         )
         .await;
     ConnectionError::Ended(format!("rejected a frame: {message}"))
+}
+
+/// Test-only switches that break one ordering rule, so a test can prove
+/// the simulator notices (the mutation check).
+#[cfg(test)]
+pub(crate) mod mutation {
+    thread_local! {
+        pub(crate) static ACK_BEFORE_APPEND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
 }
