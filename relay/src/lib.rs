@@ -11,8 +11,7 @@ pub mod lock;
 pub mod log;
 pub mod native;
 pub mod preflight;
-#[cfg(test)]
-mod sim;
+pub mod sim;
 pub mod snapshot;
 pub mod state;
 pub mod verify;

@@ -18,8 +18,8 @@
 //! - at the end every source transaction is in the log exactly once, in
 //!   commit order, whole (no gap, no duplicate, no half transaction).
 //!
-//! Not built yet (issue 7): the applier and snapshot families, scenarios as
-//! data, `trellara chaos run/report`.
+//! [`SCENARIOS`] lists them as data for `trellara chaos run`. Not built yet
+//! (issue 7): the applier, snapshot and capture families, `chaos report`.
 
 use crate::log::storage::{SimCrash, SimStorage};
 use crate::log::{Log, LogConfig};
@@ -78,6 +78,81 @@ pub(crate) struct History {
     pub duplicates_skipped: u64,
 }
 
+/// `rows` inserts into a simulated `public.sim` (id, note of `note_len`
+/// bytes), as a whole-transaction envelope the relay accepts.
+fn workload_transaction(rows: usize, note_len: usize) -> Envelope {
+    use trellara_common::envelope::{
+        BeforeImage, Boundary, Capture, Change, ColumnSchema, Operation, RelationSchema,
+        ReplicaIdentity, RowChange, SourceIdentity, Value, boundary, capture, change, value,
+    };
+    let column = |name: &str, type_oid, key| ColumnSchema {
+        name: name.into(),
+        type_oid,
+        type_modifier: -1,
+        key,
+    };
+    let mut relation = RelationSchema {
+        relation_id: 16_385,
+        namespace: "public".into(),
+        name: "sim".into(),
+        replica_identity: ReplicaIdentity::Default as i32,
+        columns: vec![column("id", 20, true), column("note", 25, false)],
+        fingerprint: 0,
+    };
+    relation.fingerprint = trellara_common::fingerprint::fingerprint(&relation);
+    let text = |s: String| Value {
+        kind: Some(value::Kind::Text(s)),
+    };
+    let changes = (0..rows)
+        .map(|i| Change {
+            sequence: i as u64,
+            body: Some(change::Body::Row(RowChange {
+                relation_id: relation.relation_id,
+                operation: Operation::Insert as i32,
+                before_kind: BeforeImage::None as i32,
+                before: Vec::new(),
+                after: vec![text(i.to_string()), text("x".repeat(note_len))],
+                truncate_cascade: false,
+                truncate_restart_identity: false,
+            })),
+        })
+        .collect();
+    Envelope {
+        protocol_version: envelope::PROTOCOL_VERSION,
+        source: Some(SourceIdentity {
+            source_id: "sim".into(),
+            dataset_id: "sim".into(),
+            system_identifier: 1,
+            database: "sim".into(),
+            timeline: 1,
+        }),
+        xid: 1_000,
+        begin_lsn: 0,
+        commit_lsn: 0,
+        end_lsn: 0,
+        commit_time_micros: 1_796_000_000_000_000,
+        relations: vec![relation],
+        changes,
+        boundary: Some(Boundary {
+            mode: boundary::Mode::Whole as i32,
+            chunk_index: 0,
+            chunk_count: 1,
+            first_sequence: 0,
+            total_changes: rows as u64,
+            partition: 0,
+            manifest_partitions: Vec::new(),
+        }),
+        origin: String::new(),
+        capture: Some(Capture {
+            path: capture::Path::Native as i32,
+            server_version_num: 170_009,
+            decoder: "trellara/1".into(),
+            captured_at_micros: 1_796_000_000_001_000,
+        }),
+        checksum: 0,
+    }
+}
+
 /// Source transactions: commit LSNs increasing, sizes from the seed, framed
 /// small so most span several frames.
 fn source(rng: &mut Rng) -> Vec<(Envelope, Vec<Vec<u8>>)> {
@@ -86,16 +161,11 @@ fn source(rng: &mut Rng) -> Vec<(Envelope, Vec<Vec<u8>>)> {
     (0..count)
         .map(|_| {
             lsn += 0x100 + rng.below(0x1000);
-            let mut env = trellara_common::sample::insert_transaction(
-                1 + rng.below(8) as usize,
-                rng.below(300) as usize,
-            );
+            let mut env = workload_transaction(1 + rng.below(8) as usize, rng.below(300) as usize);
             env.begin_lsn = lsn - 0x80;
             env.commit_lsn = lsn;
             env.end_lsn = lsn + 0x30;
-            if let Some(source) = env.source.as_mut() {
-                source.source_id = "sim".into();
-            }
+            env.xid = lsn >> 8;
             let bytes = envelope::encode(&env).unwrap_or_default();
             let mut frames = Vec::new();
             if let Ok(mut writer) = FrameWriter::new(lsn, 0, &bytes, 41 + rng.below(400) as usize) {
@@ -263,6 +333,117 @@ pub(crate) fn native_relay_history(
         ));
     }
     Ok(history)
+}
+
+/// One scenario of the failure matrix: what it simulates, the invariant it
+/// protects, how a user proves it and how they recover.
+#[derive(Debug, Clone, Copy)]
+pub struct Scenario {
+    pub id: &'static str,
+    pub family: &'static str,
+    pub simulation: &'static str,
+    pub invariant: &'static str,
+    pub proof: &'static str,
+    pub recovery: &'static str,
+    point: CrashPoint,
+    mode: SimCrash,
+}
+
+const PROOF: &str = "trellara chaos run --family source-and-stream";
+const RECOVERY: &str =
+    "restart the relay: the worker replays from its slot; the log skips what it holds";
+
+macro_rules! scenario {
+    ($id:literal, $point:ident, $mode:ident, $sim:literal, $inv:literal) => {
+        Scenario {
+            id: $id,
+            family: "source-and-stream",
+            simulation: $sim,
+            invariant: $inv,
+            proof: PROOF,
+            recovery: RECOVERY,
+            point: CrashPoint::$point,
+            mode: SimCrash::$mode,
+        }
+    };
+}
+
+/// The matrix as built so far (issue 7: the applier, snapshot and capture
+/// families come next).
+pub const SCENARIOS: [Scenario; 9] = [
+    scenario!(
+        "SS-01",
+        ReceivedNotAppended,
+        LoseUnsynced,
+        "relay crash after receiving, before the append",
+        "no gap: nothing acknowledged is lost"
+    ),
+    scenario!(
+        "SS-02",
+        ReceivedNotAppended,
+        TornTail,
+        "relay crash before the append, torn write on disk",
+        "a torn tail is cut, never read as a transaction"
+    ),
+    scenario!(
+        "SS-03",
+        ReceivedNotAppended,
+        GarbageTail,
+        "relay crash before the append, garbage on disk",
+        "garbage past the durable end is cut, never applied"
+    ),
+    scenario!(
+        "SS-04",
+        AppendedNotAcknowledged,
+        LoseUnsynced,
+        "relay crash after publish (fsync) before the source ack",
+        "duplicates only: the replay is skipped, not appended twice"
+    ),
+    scenario!(
+        "SS-05",
+        AppendedNotAcknowledged,
+        TornTail,
+        "crash after publish before ack, torn later writes",
+        "what was fsynced survives; the source resumes behind it"
+    ),
+    scenario!(
+        "SS-06",
+        AppendedNotAcknowledged,
+        GarbageTail,
+        "crash after publish before ack, garbage later writes",
+        "what was fsynced survives intact"
+    ),
+    scenario!(
+        "SS-07",
+        Acknowledged,
+        LoseUnsynced,
+        "relay crash right after the source ack",
+        "the source checkpoint is never ahead of the durable log"
+    ),
+    scenario!(
+        "SS-08",
+        Acknowledged,
+        TornTail,
+        "crash after the ack, torn writes of the next batch",
+        "acknowledged transactions are all in the log"
+    ),
+    scenario!(
+        "SS-09",
+        Acknowledged,
+        GarbageTail,
+        "crash after the ack, garbage writes of the next batch",
+        "acknowledged transactions are all in the log, once"
+    ),
+];
+
+/// Runs `scenario` over `seeds` seeds (from `first_seed`): the failing
+/// seed and what broke, or how many crashes the histories went through.
+pub fn run_scenario(scenario: &Scenario, first_seed: u64, seeds: u64) -> Result<u32, String> {
+    let mut crashes = 0;
+    for seed in first_seed..first_seed + seeds {
+        crashes += native_relay_history(seed, scenario.point, scenario.mode)?.crashes;
+    }
+    Ok(crashes)
 }
 
 #[cfg(test)]

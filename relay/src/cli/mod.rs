@@ -3,6 +3,7 @@
 //!
 //! Exit status: 0 success, 1 error, 2 bad usage (clap).
 
+mod chaos;
 mod flow;
 mod log;
 mod relay;
@@ -60,9 +61,9 @@ pub enum Command {
     /// Run the external capture stage alone: a pgoutput slot into a durable log.
     #[command(hide = true)]
     Relay(relay::RelayArgs),
-    /// Run the failure matrix.
+    /// Run the failure matrix (deterministic simulation).
     #[command(hide = true)]
-    Chaos(NotBuilt),
+    Chaos(chaos::ChaosArgs),
     /// Re-enter the snapshot state machine for a destination past retention.
     #[command(hide = true)]
     Reseed(flow::ReseedArgs),
@@ -116,7 +117,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             "config",
             "a later issue (config show/migrate); `trellara check --config` validates today",
         ),
-        Command::Chaos(_) => ("chaos", "issue 7 (the failure matrix)"),
+        Command::Chaos(args) => return chaos::run(args),
         Command::Reseed(args) => return flow::reseed(args),
         Command::RepairPlan(args) => return flow::repair_plan(args),
         Command::Stream(args) => return flow::stream(args),
