@@ -69,6 +69,28 @@ impl Rng {
     }
 }
 
+/// Small segments, so histories seal several and index files exist.
+fn sim_log_config() -> LogConfig {
+    LogConfig {
+        max_segment_bytes: 4096,
+        ..LogConfig::default()
+    }
+}
+
+/// What goes wrong in a history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fault {
+    /// The relay dies at `CrashPoint` (the k-th time) and the machine loses
+    /// what `SimCrash` says.
+    Crash(CrashPoint, SimCrash),
+    /// One fsync fails (the k-th): the log poisons itself, the relay exits
+    /// without acknowledging, restarts and the worker replays.
+    FsyncFails,
+    /// A crash at the point, and every sparse index file is lost with it:
+    /// the reopened log rebuilds what it needs from the segments.
+    CrashLosingIndex(CrashPoint),
+}
+
 /// What one simulated history did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(crate) struct History {
@@ -76,6 +98,7 @@ pub(crate) struct History {
     pub crashes: u32,
     pub rounds: u32,
     pub duplicates_skipped: u64,
+    pub index_files_lost: u32,
 }
 
 /// `rows` inserts into a simulated `public.sim` (id, note of `note_len`
@@ -183,11 +206,22 @@ fn source(rng: &mut Rng) -> Vec<(Envelope, Vec<Vec<u8>>)> {
 /// confirmed position; the relay crashes once at `point` (the k-th time,
 /// k from the seed) and the storage loses according to `mode`; then the
 /// relay restarts and the worker replays. Err names the broken invariant.
+#[cfg(test)]
 pub(crate) fn native_relay_history(
     seed: u64,
     point: CrashPoint,
     mode: SimCrash,
 ) -> Result<History, String> {
+    history_with(seed, Fault::Crash(point, mode))
+}
+
+/// Runs one history with `fault` (see [`native_relay_history`]).
+pub(crate) fn history_with(seed: u64, fault: Fault) -> Result<History, String> {
+    let (point, mode) = match fault {
+        Fault::Crash(point, mode) => (point, mode),
+        Fault::FsyncFails => (CrashPoint::Acknowledged, SimCrash::LoseUnsynced),
+        Fault::CrashLosingIndex(point) => (point, SimCrash::LoseUnsynced),
+    };
     let mut rng = Rng(seed);
     let txns = source(&mut rng);
     let storage = SimStorage::new(seed);
@@ -207,8 +241,10 @@ pub(crate) fn native_relay_history(
         // Early enough that every point is reached in (almost) every history.
         nth: 1 + rng.below(3) as u32,
         seen: Cell::new(0),
-        fired: Cell::new(false),
+        // An fsync fault history crashes by the fault, not by a hook.
+        fired: Cell::new(fault == Fault::FsyncFails),
     };
+    let fsync_skip = rng.below(4) as u32;
     let last_end = txns.last().map_or(0, |(env, _)| env.end_lsn);
     let mut confirmed = 0u64;
     let mut history = History {
@@ -223,10 +259,18 @@ pub(crate) fn native_relay_history(
                 history.rounds - 1
             ));
         }
-        let (log, _) = Log::open(storage.clone(), "/log", LogConfig::default())
+        let (log, _) = Log::open(storage.clone(), "/log", sim_log_config())
             .map_err(|e| format!("seed {seed}: reopen the log: {e}"))?;
         let resume =
             crate::capture::read_resume(&log).map_err(|e| format!("seed {seed}: resume: {e}"))?;
+        if fault == Fault::FsyncFails && history.rounds == 1 {
+            storage.inject(crate::log::storage::SimFault {
+                op: crate::log::storage::SimOp::Sync,
+                path_contains: None,
+                skip: fsync_skip,
+                times: 1,
+            });
+        }
         if confirmed > resume.ack_lsn.0 {
             return Err(format!(
                 "seed {seed}: the source was acknowledged to {confirmed:#x} but the log holds only up to {:#x} after a crash at {point:?} ({mode:?})",
@@ -304,12 +348,30 @@ pub(crate) fn native_relay_history(
             {
                 history.crashes += 1;
                 storage.crash(mode);
+                if let Fault::CrashLosingIndex(_) = fault {
+                    use crate::log::storage::Storage;
+                    let dir = std::path::Path::new("/log");
+                    for name in storage.list(dir).unwrap_or_default() {
+                        if name.ends_with(".idx") && storage.remove(&dir.join(name)).is_ok() {
+                            history.index_files_lost += 1;
+                        }
+                    }
+                }
+            }
+            // A failed fsync poisons the log: the relay exits (the process
+            // would), and what it had not synced is gone.
+            Err(native::ConnectionError::Fatal(_)) if fault == Fault::FsyncFails => {
+                history.crashes += 1;
+                storage.clear_faults();
+                storage.crash(SimCrash::LoseUnsynced);
             }
             Err(e) => return Err(format!("seed {seed}: the relay failed: {e:?}")),
         }
     }
+    // A fault that never got its turn must not fail the final read.
+    storage.clear_faults();
     // Every transaction, once, in order, whole.
-    let (log, _) = Log::open(storage.clone(), "/log", LogConfig::default())
+    let (log, _) = Log::open(storage.clone(), "/log", sim_log_config())
         .map_err(|e| format!("seed {seed}: reopen the log: {e}"))?;
     let reader = log
         .read_from(log.first_offset())
@@ -345,8 +407,7 @@ pub struct Scenario {
     pub invariant: &'static str,
     pub proof: &'static str,
     pub recovery: &'static str,
-    point: CrashPoint,
-    mode: SimCrash,
+    fault: Fault,
 }
 
 const PROOF: &str = "trellara chaos run --family source-and-stream";
@@ -362,15 +423,14 @@ macro_rules! scenario {
             invariant: $inv,
             proof: PROOF,
             recovery: RECOVERY,
-            point: CrashPoint::$point,
-            mode: SimCrash::$mode,
+            fault: Fault::Crash(CrashPoint::$point, SimCrash::$mode),
         }
     };
 }
 
 /// The matrix as built so far (issue 7: the applier, snapshot and capture
 /// families come next).
-pub const SCENARIOS: [Scenario; 9] = [
+pub const SCENARIOS: [Scenario; 12] = [
     scenario!(
         "SS-01",
         ReceivedNotAppended,
@@ -434,6 +494,33 @@ pub const SCENARIOS: [Scenario; 9] = [
         "crash after the ack, garbage writes of the next batch",
         "acknowledged transactions are all in the log, once"
     ),
+    Scenario {
+        id: "SS-10",
+        family: "source-and-stream",
+        simulation: "log fsync fails (the log poisons itself) and the relay restarts",
+        invariant: "no acknowledgement without a successful fsync; nothing lost",
+        proof: PROOF,
+        recovery: "restart the relay on healthy storage: the worker replays from its last ack",
+        fault: Fault::FsyncFails,
+    },
+    Scenario {
+        id: "SS-11",
+        family: "source-and-stream",
+        simulation: "crash after publish, sparse index files lost",
+        invariant: "the log index is rebuilt from the segments; every transaction readable once",
+        proof: PROOF,
+        recovery: RECOVERY,
+        fault: Fault::CrashLosingIndex(CrashPoint::AppendedNotAcknowledged),
+    },
+    Scenario {
+        id: "SS-12",
+        family: "source-and-stream",
+        simulation: "crash after the ack, sparse index files lost",
+        invariant: "acknowledged transactions survive index loss",
+        proof: PROOF,
+        recovery: RECOVERY,
+        fault: Fault::CrashLosingIndex(CrashPoint::Acknowledged),
+    },
 ];
 
 /// Runs `scenario` over `seeds` seeds (from `first_seed`): the failing
@@ -441,7 +528,7 @@ pub const SCENARIOS: [Scenario; 9] = [
 pub fn run_scenario(scenario: &Scenario, first_seed: u64, seeds: u64) -> Result<u32, String> {
     let mut crashes = 0;
     for seed in first_seed..first_seed + seeds {
-        crashes += native_relay_history(seed, scenario.point, scenario.mode)?.crashes;
+        crashes += history_with(seed, scenario.fault)?.crashes;
     }
     Ok(crashes)
 }
@@ -497,6 +584,34 @@ mod tests {
             caught.iter().any(|e| e.contains("acknowledged to")),
             "the broken ordering went unnoticed: {caught:?}"
         );
+    }
+
+    /// Every scenario of the matrix holds over 30 seeds, and the new
+    /// faults (fsync failure, index loss) actually happen.
+    #[test]
+    fn every_scenario_holds() {
+        for scenario in &SCENARIOS {
+            let crashes =
+                run_scenario(scenario, 0, 30).unwrap_or_else(|e| panic!("{}: {e}", scenario.id));
+            assert!(
+                crashes >= 20,
+                "{}: only {crashes} crashes in 30 histories",
+                scenario.id
+            );
+        }
+    }
+
+    /// The index-loss scenarios really lose index files.
+    #[test]
+    fn index_loss_histories_lose_index_files() {
+        let lost: u32 = (0..20)
+            .map(|seed| {
+                history_with(seed, Fault::CrashLosingIndex(CrashPoint::Acknowledged))
+                    .map(|h| h.index_files_lost)
+                    .unwrap_or_else(|e| panic!("{e}"))
+            })
+            .sum();
+        assert!(lost > 0, "no index file existed to lose");
     }
 
     /// A replayed history is the same history.
