@@ -113,9 +113,37 @@ fn chaos_run_prints_the_matrix() {
     let out = trellara(&["chaos", "run", "--family", "nope"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("source-and-stream"));
-    let out = trellara(&["chaos", "report", "--output", "r.html"]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not built yet"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let page = dir.path().join("r.html");
+    let out = trellara(&[
+        "chaos",
+        "report",
+        "--seeds",
+        "3",
+        "--output",
+        page.to_str().expect("path"),
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    let html = std::fs::read_to_string(&page).expect("report");
+    assert!(
+        html.contains("SS-12") && html.contains("Verdict: qualified"),
+        "{html}"
+    );
+    assert!(!html.contains("http"), "self-contained: no external assets");
+    let again = dir.path().join("again.html");
+    trellara(&[
+        "chaos",
+        "report",
+        "--seeds",
+        "3",
+        "--output",
+        again.to_str().expect("path"),
+    ]);
+    assert_eq!(
+        std::fs::read(&again).expect("again"),
+        html.as_bytes(),
+        "deterministic"
+    );
 }
 
 #[test]
