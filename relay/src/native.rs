@@ -356,24 +356,18 @@ where
 
     let mut reassembler = Reassembler::new(config.max_envelope_bytes);
     let mut frame = Vec::with_capacity(native_frame::MAX_FRAME_BYTES);
-    let mut batch: Vec<(u64, Vec<u8>)> = Vec::new();
-    let mut batch_bytes = 0usize;
-    let mut ack: Option<u64> = None;
+    let mut pending = Pending::default();
+    // Appends what is batched (one fsync), then acknowledges.
+    macro_rules! flush {
+        () => {
+            flush(log, &mut pending, &mut write, config, stats, hooks).await?
+        };
+    }
     loop {
         // Group commit: append (and acknowledge) what is gathered before any
         // read that would wait - the rest of a frame may take long to come.
-        if (!batch.is_empty() || ack.is_some()) && !next_message_buffered(read.buffer()) {
-            flush(
-                log,
-                &mut batch,
-                &mut batch_bytes,
-                &mut ack,
-                &mut write,
-                config,
-                stats,
-                hooks,
-            )
-            .await?;
+        if !pending.is_empty() && !next_message_buffered(read.buffer()) {
+            flush!();
         }
         // A Progress message and a frame header start alike: read 16 bytes,
         // then the rest of a frame header when it is one.
@@ -383,17 +377,7 @@ where
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 // The worker went away; what is batched is complete
                 // transactions (or chunks) and safe to keep.
-                flush(
-                    log,
-                    &mut batch,
-                    &mut batch_bytes,
-                    &mut ack,
-                    &mut write,
-                    config,
-                    stats,
-                    hooks,
-                )
-                .await?;
+                flush!();
                 return Ok(());
             }
             Err(e) => return Err(ConnectionError::Ended(format!("read frame: {e}"))),
@@ -404,17 +388,7 @@ where
             Ok(Some(lsn)) => {
                 // Everything before it is appended first; then the advance
                 // is made durable before it is acknowledged.
-                flush(
-                    log,
-                    &mut batch,
-                    &mut batch_bytes,
-                    &mut ack,
-                    &mut write,
-                    config,
-                    stats,
-                    hooks,
-                )
-                .await?;
+                flush!();
                 let recorded = log.cursor(SOURCE_ACK).and_then(|c| c.last_commit_lsn);
                 if recorded.is_none_or(|r| r < lsn) {
                     log.commit_cursor(
@@ -426,18 +400,8 @@ where
                     )
                     .map_err(NativeError::from)?;
                 }
-                ack = Some(lsn);
-                flush(
-                    log,
-                    &mut batch,
-                    &mut batch_bytes,
-                    &mut ack,
-                    &mut write,
-                    config,
-                    stats,
-                    hooks,
-                )
-                .await?;
+                pending.ack = Some(lsn);
+                flush!();
                 continue;
             }
             Ok(None) => {}
@@ -508,26 +472,16 @@ where
             if Lsn(env.commit_lsn) <= resume.commit_lsn {
                 stats.duplicates_skipped += 1;
             } else {
-                batch_bytes += bytes.len();
-                batch.push((env.commit_lsn, bytes));
+                pending.bytes += bytes.len();
+                pending.records.push((env.commit_lsn, bytes));
                 crash(hooks, CrashPoint::ReceivedNotAppended)?;
             }
             if last_chunk {
-                ack = Some(env.end_lsn);
+                pending.ack = Some(env.end_lsn);
             }
         }
-        if batch_bytes >= BATCH_BYTES {
-            flush(
-                log,
-                &mut batch,
-                &mut batch_bytes,
-                &mut ack,
-                &mut write,
-                config,
-                stats,
-                hooks,
-            )
-            .await?;
+        if pending.bytes >= BATCH_BYTES {
+            flush!();
         }
     }
 }
@@ -546,42 +500,51 @@ fn next_message_buffered(buffered: &[u8]) -> bool {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Envelopes received but not yet appended, and the position to
+/// acknowledge once they are.
+#[derive(Default)]
+struct Pending {
+    records: Vec<(u64, Vec<u8>)>,
+    bytes: usize,
+    ack: Option<u64>,
+}
+
+impl Pending {
+    fn is_empty(&self) -> bool {
+        self.records.is_empty() && self.ack.is_none()
+    }
+}
+
 async fn flush<S: crate::log::storage::Storage, W: tokio::io::AsyncWrite + Unpin>(
     log: &Log<S>,
-    batch: &mut Vec<(u64, Vec<u8>)>,
-    batch_bytes: &mut usize,
-    ack: &mut Option<u64>,
+    pending: &mut Pending,
     write: &mut W,
     config: &NativeConfig,
     stats: &mut NativeStats,
     hooks: &dyn CrashHooks,
 ) -> Result<(), ConnectionError> {
     #[cfg(test)]
-    if mutation::ACK_BEFORE_APPEND.with(std::cell::Cell::get) {
+    if mutation::ACK_BEFORE_APPEND.with(std::cell::Cell::get)
+        && let Some(end_lsn) = pending.ack.take()
+    {
         // The broken ordering the mutation check expects the simulator to
         // catch: acknowledge first, append after.
-        if let Some(end_lsn) = ack.take() {
-            write
-                .write_all(&RelayMessage::Ack { end_lsn }.encode())
-                .await
-                .map_err(|e| ConnectionError::Ended(format!("send ack: {e}")))?;
-            write
-                .flush()
-                .await
-                .map_err(|e| ConnectionError::Ended(format!("send ack: {e}")))?;
-            crash(hooks, CrashPoint::Acknowledged)?;
-        }
+        send_ack(write, end_lsn, hooks).await?;
     }
-    if !batch.is_empty() {
-        log.append_batch(batch.iter().map(|(lsn, bytes)| (*lsn, bytes.as_slice())))
-            .map_err(NativeError::from)?;
-        stats.envelopes += batch.len() as u64;
-        batch.clear();
-        *batch_bytes = 0;
+    if !pending.records.is_empty() {
+        log.append_batch(
+            pending
+                .records
+                .iter()
+                .map(|(lsn, bytes)| (*lsn, bytes.as_slice())),
+        )
+        .map_err(NativeError::from)?;
+        stats.envelopes += pending.records.len() as u64;
+        pending.records.clear();
+        pending.bytes = 0;
         crash(hooks, CrashPoint::AppendedNotAcknowledged)?;
     }
-    if let Some(end_lsn) = ack.take() {
+    if let Some(end_lsn) = pending.ack.take() {
         tracing::debug!(end_lsn = %Lsn(end_lsn), "ack");
         if let Some(progress) = &config.progress {
             progress.send_if_modified(|p| {
@@ -590,17 +553,25 @@ async fn flush<S: crate::log::storage::Storage, W: tokio::io::AsyncWrite + Unpin
                 moved
             });
         }
-        write
-            .write_all(&RelayMessage::Ack { end_lsn }.encode())
-            .await
-            .map_err(|e| ConnectionError::Ended(format!("send ack: {e}")))?;
-        write
-            .flush()
-            .await
-            .map_err(|e| ConnectionError::Ended(format!("send ack: {e}")))?;
-        crash(hooks, CrashPoint::Acknowledged)?;
+        send_ack(write, end_lsn, hooks).await?;
     }
     Ok(())
+}
+
+async fn send_ack<W: tokio::io::AsyncWrite + Unpin>(
+    write: &mut W,
+    end_lsn: u64,
+    hooks: &dyn CrashHooks,
+) -> Result<(), ConnectionError> {
+    let sent = async {
+        write
+            .write_all(&RelayMessage::Ack { end_lsn }.encode())
+            .await?;
+        write.flush().await
+    };
+    sent.await
+        .map_err(|e| ConnectionError::Ended(format!("send ack: {e}")))?;
+    crash(hooks, CrashPoint::Acknowledged)
 }
 
 /// Keeps the refused bytes and the reason in `quarantine/` (one file per
