@@ -278,15 +278,7 @@ async fn connection(
             peer.uid(),
             peer.pid()
         );
-        let _ = write
-            .write_all(
-                &RelayMessage::Reject {
-                    reason: reason.clone(),
-                }
-                .encode(),
-            )
-            .await;
-        return Err(ConnectionError::Ended(reason));
+        return Err(refuse(&mut write, reason).await);
     }
     let mut read = BufReader::with_capacity(256 << 10, read);
     let mut header = [0u8; native_wire::HEADER_LEN];
@@ -305,18 +297,7 @@ async fn connection(
     };
     let hello = match hello {
         Ok(h) => h,
-        Err(e) => {
-            let reason = format!("bad hello: {e}");
-            let _ = write
-                .write_all(
-                    &RelayMessage::Reject {
-                        reason: reason.clone(),
-                    }
-                    .encode(),
-                )
-                .await;
-            return Err(ConnectionError::Ended(reason));
-        }
+        Err(e) => return Err(refuse(&mut write, format!("bad hello: {e}")).await),
     };
     let resume = read_resume(log).map_err(NativeError::from)?;
     write
@@ -413,7 +394,7 @@ where
         read.read_exact(&mut frame[native_wire::HEADER_LEN..])
             .await
             .map_err(ended("read frame header"))?;
-        let payload_len = u32::from_le_bytes([frame[24], frame[25], frame[26], frame[27]]) as usize;
+        let payload_len = payload_len(&frame).unwrap_or(usize::MAX);
         if payload_len <= native_frame::MAX_PAYLOAD_BYTES {
             frame.resize(native_frame::HEADER_LEN + payload_len, 0);
             read.read_exact(&mut frame[native_frame::HEADER_LEN..])
@@ -492,12 +473,33 @@ fn next_message_buffered(buffered: &[u8]) -> bool {
     if buffered.starts_with(&native_wire::PROGRESS_MAGIC) {
         return buffered.len() >= native_wire::HEADER_LEN;
     }
-    match buffered.get(24..28) {
-        Some(&[a, b, c, d]) => {
-            buffered.len() >= native_frame::HEADER_LEN + u32::from_le_bytes([a, b, c, d]) as usize
-        }
-        _ => false,
+    payload_len(buffered)
+        .is_some_and(|len| buffered.len() >= native_frame::HEADER_LEN.saturating_add(len))
+}
+
+/// The payload length a frame header declares (bytes 24..28), when those
+/// bytes are there; the header itself is checked by `FrameHeader::parse`.
+fn payload_len(header: &[u8]) -> Option<usize> {
+    match header.get(24..28) {
+        Some(&[a, b, c, d]) => Some(u32::from_le_bytes([a, b, c, d]) as usize),
+        _ => None,
     }
+}
+
+/// Tells the worker why it is refused, then ends the connection.
+async fn refuse<W: tokio::io::AsyncWrite + Unpin>(
+    write: &mut W,
+    reason: String,
+) -> ConnectionError {
+    let _ = write
+        .write_all(
+            &RelayMessage::Reject {
+                reason: reason.clone(),
+            }
+            .encode(),
+        )
+        .await;
+    ConnectionError::Ended(reason)
 }
 
 /// Envelopes received but not yet appended, and the position to
@@ -598,14 +600,8 @@ async fn reject<W: tokio::io::AsyncWrite + Unpin>(
     };
     let message = format!("{reason} ({kept})");
     tracing::error!(%message, "rejected a native frame; the acknowledged position stays behind it");
-    let _ = write
-        .write_all(
-            &RelayMessage::Reject {
-                reason: message.clone(),
-            }
-            .encode(),
-        )
-        .await;
+    // The worker hears the reason itself; our error says what happened.
+    let _ = refuse(write, message.clone()).await;
     ConnectionError::Ended(format!("rejected a frame: {message}"))
 }
 
