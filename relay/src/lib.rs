@@ -6,6 +6,7 @@ pub mod apply;
 pub mod capture;
 pub mod cli;
 pub mod config;
+pub mod crash;
 pub mod flow;
 pub mod lock;
 pub mod log;

@@ -23,6 +23,7 @@
 //!   the connection ends.
 
 use crate::capture::{SOURCE_ACK, read_resume};
+use crate::crash::{CrashHooks, CrashPoint, NoCrash};
 use crate::log::CursorPosition;
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
@@ -210,32 +211,6 @@ pub fn bind(path: &Path) -> Result<UnixListener, NativeError> {
 pub(crate) enum ConnectionError {
     Fatal(NativeError),
     Ended(String),
-}
-
-/// A window in the relay's ordering where the deterministic simulator
-/// (`crate::sim`) can stop it as if the process died. Production passes
-/// [`NoCrash`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CrashPoint {
-    /// A whole envelope was received and batched, not yet appended.
-    ReceivedNotAppended,
-    /// Appended and fsynced, the Ack not yet sent.
-    AppendedNotAcknowledged,
-    /// The Ack was sent.
-    Acknowledged,
-}
-
-pub(crate) trait CrashHooks {
-    /// True: stop here (the caller treats it as the process dying).
-    fn crash_at(&self, point: CrashPoint) -> bool;
-}
-
-pub(crate) struct NoCrash;
-
-impl CrashHooks for NoCrash {
-    fn crash_at(&self, _: CrashPoint) -> bool {
-        false
-    }
 }
 
 fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), ConnectionError> {

@@ -21,9 +21,10 @@
 //! [`SCENARIOS`] lists them as data for `trellara chaos run`. Not built yet
 //! (issue 7): the applier, snapshot and capture families, `chaos report`.
 
+use crate::crash::{CrashHooks, CrashPoint};
 use crate::log::storage::{SimCrash, SimStorage};
 use crate::log::{Log, LogConfig};
-use crate::native::{self, CrashHooks, CrashPoint, NativeConfig, NativeStats};
+use crate::native::{self, NativeConfig, NativeStats};
 use std::cell::Cell;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use trellara_common::envelope::{self, Envelope};

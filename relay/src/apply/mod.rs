@@ -1,0 +1,834 @@
+//! The applier: envelopes from the durable log into a target, each source
+//! transaction in one target transaction together with its checkpoint.
+//! The ordering lives here, generic over [`Target`] (PostgreSQL in
+//! [`postgres`]; an in-memory target in the deterministic simulator), so the
+//! simulator drives this very code.
+//!
+//! Invariants:
+//! * **Exactly-once effect.** Rows and the checkpoint `(flow, commit LSN,
+//!   xid)` commit together; a transaction at or below the checkpoint is
+//!   skipped and counted as a duplicate. The log cursor moves only after the
+//!   target commit, so a crash in between costs a redelivery, which the
+//!   checkpoint absorbs.
+//! * **Never split.** All chunks of a chunked transaction apply in one
+//!   target transaction.
+//! * **Fail closed.** A transaction that cannot be applied as captured (a
+//!   database error, a missing target table or column, an update or delete
+//!   that matches no row, an envelope that fails its checksum) is rolled
+//!   back and quarantined with its reason, its envelope and the recovery
+//!   command; the flow stops there and never skips it. The next run retries
+//!   it first and marks the record resolved when it applies.
+//! * Unchanged TOAST values are left as they are (not in the SET list).
+
+pub mod postgres;
+
+pub use postgres::PgTarget;
+
+use crate::crash::{CrashHooks, CrashPoint, NoCrash};
+use crate::log::storage::{FsStorage, Storage};
+use crate::log::{CursorPosition, Log};
+use tokio_postgres::Client;
+use trellara_common::Lsn;
+use trellara_common::envelope::{self, Envelope, Operation, RelationSchema, RowChange, change};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error(
+        "flow {flow}: transaction {xid} (commit {commit_lsn}) is quarantined: {reason}\n\
+         hint: {recovery}"
+    )]
+    Quarantined {
+        flow: String,
+        xid: u64,
+        commit_lsn: Lsn,
+        reason: String,
+        recovery: String,
+    },
+    #[error("target database: {0}")]
+    Target(#[from] TargetError),
+    #[error(transparent)]
+    Log(#[from] crate::log::Error),
+    /// Only the simulator's crash hooks produce this.
+    #[error("simulated crash at {0:?}")]
+    Crashed(CrashPoint),
+}
+
+/// A target that failed for reasons unrelated to the data.
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error(transparent)]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("simulated target failure: {0}")]
+    Simulated(String),
+}
+
+impl From<tokio_postgres::Error> for ApplyError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        ApplyError::Target(TargetError::Postgres(e))
+    }
+}
+
+/// Why one transaction could not be applied.
+#[derive(Debug)]
+pub enum Refusal {
+    /// The data cannot be applied as captured: quarantine it.
+    Data(String),
+    /// The target is busy, down or out of resources: retry later, the
+    /// transaction itself is fine.
+    Transient(TargetError),
+    /// The process died here (simulator only): no rollback, no quarantine.
+    Crashed(CrashPoint),
+}
+
+/// Where the checkpoint moves: the last applied transaction of a target
+/// transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub commit_lsn: Lsn,
+    pub end_lsn: Lsn,
+    pub xid: u64,
+}
+
+/// What one target transaction settles besides its rows.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Settle {
+    /// The new checkpoint (None: every transaction was a duplicate).
+    pub last: Option<Checkpoint>,
+    /// Source transactions applied.
+    pub applied: u64,
+    /// Redeliveries skipped, added to the flow's duplicate accounting.
+    pub duplicates: u64,
+    /// Commits now applied (or found already applied): their quarantine
+    /// records, if any, are resolved.
+    pub settled: Vec<Lsn>,
+}
+
+/// A transaction the applier refuses, kept on the target.
+#[derive(Debug)]
+pub struct QuarantineRecord<'a> {
+    pub flow: &'a str,
+    pub commit_lsn: Lsn,
+    pub xid: u64,
+    pub reason: &'a str,
+    pub recovery: &'a str,
+    pub envelope: &'a [u8],
+}
+
+/// What the applier needs from a target database. Everything between
+/// `begin` and `commit` is one atomic target transaction; `quarantine` runs
+/// outside one (after the rollback).
+#[allow(async_fn_in_trait)] // used on one task; no Send bound needed
+pub trait Target {
+    async fn begin(&mut self) -> Result<(), Refusal>;
+    async fn commit(&mut self) -> Result<(), Refusal>;
+    /// Best effort: the session may be gone, which rolls back too.
+    async fn rollback(&mut self);
+    /// The flow's checkpoint, locked until commit so no other applier can
+    /// interleave.
+    async fn lock_checkpoint(&mut self, flow: &str) -> Result<Option<Lsn>, Refusal>;
+    /// Moves the checkpoint and the counts; returns how many quarantine
+    /// records it resolved.
+    async fn settle(
+        &mut self,
+        flow: &str,
+        source_id: &str,
+        settle: &Settle,
+    ) -> Result<u64, Refusal>;
+    /// Inserts a run of rows of one relation.
+    async fn insert_rows(
+        &mut self,
+        relation: &RelationSchema,
+        rows: &[&RowChange],
+    ) -> Result<(), Refusal>;
+    /// Truncates the tables of one TRUNCATE together.
+    async fn truncate(&mut self, rows: &[(&RelationSchema, &RowChange)]) -> Result<(), Refusal>;
+    /// Applies an update or delete; returns the rows it matched (None when
+    /// nothing needed writing: an update of unchanged TOAST only).
+    async fn change_row(
+        &mut self,
+        relation: &RelationSchema,
+        row: &RowChange,
+    ) -> Result<Option<u64>, Refusal>;
+    async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError>;
+}
+
+pub(crate) fn missing_table(relation: &RelationSchema) -> String {
+    format!(
+        "target table {}.{} does not exist",
+        relation.namespace, relation.name
+    )
+}
+
+pub(crate) fn missing_column(relation: &RelationSchema, column: &str) -> String {
+    format!(
+        "target table {}.{} has no column {column:?} (schema contract breach)",
+        relation.namespace, relation.name
+    )
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ApplyStats {
+    pub transactions: u64,
+    pub duplicates_skipped: u64,
+    pub rows: u64,
+    pub quarantine_resolved: u64,
+}
+
+pub struct Applier<T: Target = PgTarget> {
+    target: T,
+    flow: String,
+    source_id: String,
+    config_path: String,
+}
+
+impl<T: Target> std::fmt::Debug for Applier<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Applier")
+            .field("flow", &self.flow)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Source transactions per target transaction, and rows: bounded so a
+/// batch's target transaction stays short.
+const BATCH_TRANSACTIONS: usize = 500;
+const BATCH_ROWS: usize = 20_000;
+/// Rows held in one insert run (one statement).
+const MAX_RUN_ROWS: usize = 5_000;
+
+/// One source transaction read from the log: its envelope(s) and where it
+/// ends in the log.
+struct SourceTxn {
+    envelopes: Vec<Envelope>,
+    last_offset: u64,
+    commit_lsn: u64,
+    rows: usize,
+}
+
+enum Next {
+    Txn(SourceTxn),
+    /// The first chunk of a chunked transaction: applied chunk by chunk.
+    Chunked(Box<Envelope>, crate::log::Record),
+    /// (offset, commit LSN, reason, payload) of an envelope that fails to decode.
+    Broken((u64, u64, String, Vec<u8>)),
+    /// The log ends, or the rest of a chunked transaction is not durable yet.
+    End,
+}
+
+/// Rows held back to be written together: a run of inserts into one table
+/// (one multi-row INSERT) or the tables of one TRUNCATE (which must go in
+/// one statement when foreign keys link them).
+#[derive(Default)]
+struct Pending<'a> {
+    relation: Option<&'a RelationSchema>,
+    inserts: Vec<&'a RowChange>,
+    truncate: Vec<(&'a RelationSchema, &'a RowChange)>,
+}
+
+/// How a chunked transaction ended.
+enum Chunked {
+    Applied,
+    /// Its last chunk is not durable yet.
+    Incomplete,
+    /// The run was cut by a crash; this record starts what follows.
+    Restart(crate::log::Record),
+}
+
+enum ChunkStep {
+    Done,
+    Incomplete,
+    Restart(crate::log::Record),
+}
+
+/// Reads the next whole transaction (all its chunks) from `reader`.
+/// Chunks of one transaction are consecutive with the same commit LSN and
+/// rising chunk index; a run cut short by a crash mid-append (its
+/// transaction was appended again whole after it) is skipped.
+fn next_transaction<S: Storage>(
+    reader: &mut crate::log::Reader<S>,
+    pending: &mut Option<crate::log::Record>,
+) -> Result<Next, ApplyError> {
+    let mut envelopes: Vec<Envelope> = Vec::new();
+    loop {
+        let record = match pending.take() {
+            Some(record) => record,
+            None => match reader.next().transpose()? {
+                Some(record) => record,
+                None => return Ok(Next::End),
+            },
+        };
+        let env = match envelope::decode(&record.payload) {
+            Ok(env) => env,
+            Err(e) => {
+                return Ok(Next::Broken((
+                    record.offset,
+                    record.commit_lsn,
+                    e.to_string(),
+                    record.payload,
+                )));
+            }
+        };
+        let boundary = env.boundary.clone().unwrap_or_default();
+        let continues = envelopes.first().is_some_and(|first| {
+            first.commit_lsn == env.commit_lsn && boundary.chunk_index as usize == envelopes.len()
+        });
+        if !continues && !envelopes.is_empty() {
+            tracing::warn!(
+                commit_lsn = %Lsn(envelopes[0].commit_lsn),
+                chunks = envelopes.len(),
+                "skipping an incomplete chunk run left by a crash; its transaction follows whole"
+            );
+            envelopes.clear();
+        }
+        if envelopes.is_empty() && boundary.chunk_index != 0 {
+            // The middle of a run whose start is gone: skip it the same way.
+            continue;
+        }
+        if envelopes.is_empty() && boundary.chunk_count > 1 {
+            return Ok(Next::Chunked(Box::new(env), record));
+        }
+        let done = boundary.chunk_index + 1 >= boundary.chunk_count.max(1);
+        envelopes.push(env);
+        if done {
+            let rows = envelopes.iter().map(|e| e.changes.len()).sum();
+            return Ok(Next::Txn(SourceTxn {
+                envelopes,
+                last_offset: record.offset,
+                commit_lsn: record.commit_lsn,
+                rows,
+            }));
+        }
+    }
+}
+
+/// Adds `part` into `total`.
+pub fn accumulate(total: &mut ApplyStats, part: ApplyStats) {
+    total.transactions += part.transactions;
+    total.duplicates_skipped += part.duplicates_skipped;
+    total.rows += part.rows;
+    total.quarantine_resolved += part.quarantine_resolved;
+}
+
+/// The log consumer name of a flow's applier.
+pub fn cursor_name(flow: &str) -> String {
+    format!("applier-{flow}")
+}
+
+fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), Refusal> {
+    if hooks.crash_at(point) {
+        return Err(Refusal::Crashed(point));
+    }
+    Ok(())
+}
+
+impl Applier<PgTarget> {
+    pub fn new(client: Client, flow: &str, source_id: &str, config_path: &str) -> Self {
+        Applier::with_target(PgTarget::new(client), flow, source_id, config_path)
+    }
+
+    pub fn client(&self) -> &Client {
+        self.target.client()
+    }
+
+    /// Applies every record of `log` past this flow's cursor, several
+    /// source transactions per target transaction (never splitting one).
+    pub async fn apply_log(&mut self, log: &Log<FsStorage>) -> Result<ApplyStats, ApplyError> {
+        self.apply_log_with(log, &NoCrash).await
+    }
+}
+
+impl<T: Target> Applier<T> {
+    pub fn with_target(target: T, flow: &str, source_id: &str, config_path: &str) -> Self {
+        Applier {
+            target,
+            flow: flow.to_owned(),
+            source_id: source_id.to_owned(),
+            config_path: config_path.to_owned(),
+        }
+    }
+
+    pub fn target(&self) -> &T {
+        &self.target
+    }
+
+    pub fn target_mut(&mut self) -> &mut T {
+        &mut self.target
+    }
+
+    /// [`apply_log`](Applier::apply_log) over any storage, stopping at the
+    /// crash points `hooks` names (the simulator's; production passes
+    /// [`NoCrash`]).
+    pub async fn apply_log_with<S: Storage>(
+        &mut self,
+        log: &Log<S>,
+        hooks: &dyn CrashHooks,
+    ) -> Result<ApplyStats, ApplyError> {
+        let name = cursor_name(&self.flow);
+        let start = log.register_consumer(&name)?;
+        let mut stats = ApplyStats::default();
+        let mut reader = log.read_from(start.next_offset)?;
+        let mut pending = None;
+        loop {
+            let mut batch: Vec<SourceTxn> = Vec::new();
+            let mut rows = 0usize;
+            let mut broken = None;
+            let mut end = false;
+            let mut chunked = None;
+            while batch.len() < BATCH_TRANSACTIONS && rows < BATCH_ROWS {
+                match next_transaction(&mut reader, &mut pending)? {
+                    Next::Txn(txn) => {
+                        rows += txn.rows;
+                        batch.push(txn);
+                    }
+                    Next::Chunked(first, record) => {
+                        chunked = Some((first, record));
+                        break;
+                    }
+                    Next::Broken(b) => {
+                        broken = Some(b);
+                        break;
+                    }
+                    Next::End => {
+                        // A chunk run may be only partly durable: stop here
+                        // and reread it from the cursor next time.
+                        end = true;
+                        break;
+                    }
+                }
+            }
+            if !batch.is_empty() {
+                self.apply_batch(log, &name, &batch, &mut stats, hooks)
+                    .await?;
+            }
+            if let Some((first, record)) = chunked {
+                match self
+                    .apply_chunked(&mut reader, *first, record.payload, &mut stats, hooks)
+                    .await?
+                {
+                    Chunked::Applied => {
+                        if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
+                            return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
+                        }
+                        let last = reader.next_offset().saturating_sub(1);
+                        log.commit_cursor(&name, CursorPosition::after(last, record.commit_lsn))?;
+                    }
+                    Chunked::Incomplete => return Ok(stats),
+                    Chunked::Restart(next) => pending = Some(next),
+                }
+                continue;
+            }
+            if let Some((offset, commit_lsn, reason, payload)) = broken {
+                let reason = format!("envelope at log offset {offset} is invalid: {reason}");
+                return Err(self
+                    .quarantine(Lsn(commit_lsn), 0, reason, &payload)
+                    .await?);
+            }
+            if batch.is_empty() || end {
+                return Ok(stats);
+            }
+        }
+    }
+
+    /// One target transaction for the whole batch; if it is refused, each
+    /// transaction alone, so the one that cannot apply is the one
+    /// quarantined and every one before it lands.
+    async fn apply_batch<S: Storage>(
+        &mut self,
+        log: &Log<S>,
+        cursor: &str,
+        batch: &[SourceTxn],
+        stats: &mut ApplyStats,
+        hooks: &dyn CrashHooks,
+    ) -> Result<(), ApplyError> {
+        let mut tentative = ApplyStats::default();
+        let single = batch.len() == 1;
+        match self.apply_transactions(batch, &mut tentative, hooks).await {
+            Ok(()) => {
+                accumulate(stats, tentative);
+                if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
+                    return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
+                }
+                if let Some(last) = batch.last() {
+                    log.commit_cursor(
+                        cursor,
+                        CursorPosition::after(last.last_offset, last.commit_lsn),
+                    )?;
+                }
+                return Ok(());
+            }
+            Err(Refusal::Transient(e)) => return Err(ApplyError::Target(e)),
+            Err(Refusal::Crashed(point)) => return Err(ApplyError::Crashed(point)),
+            Err(Refusal::Data(reason)) if single => {
+                let txn = &batch[0];
+                let bytes = txn
+                    .envelopes
+                    .first()
+                    .and_then(|e| envelope::encode(e).ok())
+                    .unwrap_or_default();
+                let xid = txn.envelopes.first().map_or(0, |e| e.xid);
+                return Err(self
+                    .quarantine(Lsn(txn.commit_lsn), xid, reason, &bytes)
+                    .await?);
+            }
+            Err(Refusal::Data(_)) => {}
+        }
+        for txn in batch {
+            Box::pin(self.apply_batch(log, cursor, std::slice::from_ref(txn), stats, hooks))
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn quarantine(
+        &mut self,
+        commit_lsn: Lsn,
+        xid: u64,
+        reason: String,
+        envelope: &[u8],
+    ) -> Result<ApplyError, ApplyError> {
+        let recovery = format!(
+            "fix the cause named above at the target (or the config), then rerun `trellara run --config {}`: the quarantined transaction is retried first; `trellara verify --config {}` afterwards",
+            self.config_path, self.config_path
+        );
+        self.target
+            .quarantine(&QuarantineRecord {
+                flow: &self.flow,
+                commit_lsn,
+                xid,
+                reason: &reason,
+                recovery: &recovery,
+                envelope,
+            })
+            .await?;
+        tracing::error!(flow = %self.flow, commit_lsn = %commit_lsn, xid, reason = %reason, "transaction quarantined");
+        Ok(ApplyError::Quarantined {
+            flow: self.flow.clone(),
+            xid,
+            commit_lsn,
+            reason,
+            recovery,
+        })
+    }
+
+    async fn apply_transactions(
+        &mut self,
+        batch: &[SourceTxn],
+        stats: &mut ApplyStats,
+        hooks: &dyn CrashHooks,
+    ) -> Result<(), Refusal> {
+        self.target.begin().await?;
+        let result = async {
+            let checkpoint = self.target.lock_checkpoint(&self.flow).await?;
+            let mut applied: Vec<&SourceTxn> = Vec::new();
+            let mut settled = Vec::new();
+            let mut pending = Pending::default();
+            for txn in batch {
+                settled.push(Lsn(txn.commit_lsn));
+                if checkpoint.is_some_and(|c| c >= Lsn(txn.commit_lsn)) {
+                    stats.duplicates_skipped += 1;
+                    continue;
+                }
+                for env in &txn.envelopes {
+                    self.apply_envelope(env, stats, &mut pending).await?;
+                }
+                applied.push(txn);
+            }
+            self.flush(&mut pending).await?;
+            let last = applied.last().map(|t| Checkpoint {
+                commit_lsn: Lsn(t.commit_lsn),
+                end_lsn: Lsn(t.envelopes.last().map_or(t.commit_lsn, |e| e.end_lsn)),
+                xid: t.envelopes.first().map_or(0, |e| e.xid),
+            });
+            let settle = Settle {
+                last,
+                applied: applied.len() as u64,
+                duplicates: stats.duplicates_skipped,
+                settled,
+            };
+            stats.quarantine_resolved += self
+                .target
+                .settle(&self.flow, &self.source_id, &settle)
+                .await?;
+            stats.transactions += applied.len() as u64;
+            crash(hooks, CrashPoint::AppliedNotCommitted)
+        }
+        .await;
+        match result {
+            Ok(()) => self.target.commit().await,
+            Err(Refusal::Crashed(point)) => Err(Refusal::Crashed(point)),
+            Err(refusal) => {
+                self.target.rollback().await;
+                Err(refusal)
+            }
+        }
+    }
+
+    /// A chunked transaction, one chunk in memory at a time, in one target
+    /// transaction: applied, incomplete (its last chunk is not durable yet;
+    /// nothing applied, cursor unchanged), or restarted (the run was cut by
+    /// a crash and a new transaction starts at the returned record).
+    async fn apply_chunked<S: Storage>(
+        &mut self,
+        reader: &mut crate::log::Reader<S>,
+        first: Envelope,
+        first_bytes: Vec<u8>,
+        stats: &mut ApplyStats,
+        hooks: &dyn CrashHooks,
+    ) -> Result<Chunked, ApplyError> {
+        let commit = first.commit_lsn;
+        let xid = first.xid;
+        let mut tentative = ApplyStats::default();
+        let began = self.target.begin().await;
+        let mut current = first;
+        let outcome = async {
+            began?;
+            let checkpoint = self.target.lock_checkpoint(&self.flow).await?;
+            let duplicate = checkpoint.is_some_and(|c| c >= Lsn(commit));
+            loop {
+                let boundary = current.boundary.clone().unwrap_or_default();
+                if !duplicate {
+                    let mut pending = Pending::default();
+                    self.apply_envelope(&current, &mut tentative, &mut pending)
+                        .await?;
+                    self.flush(&mut pending).await?;
+                }
+                if boundary.chunk_index + 1 >= boundary.chunk_count {
+                    let mut settle = Settle {
+                        settled: vec![Lsn(commit)],
+                        ..Settle::default()
+                    };
+                    if duplicate {
+                        tentative.duplicates_skipped += 1;
+                        settle.duplicates = tentative.duplicates_skipped;
+                    } else {
+                        settle.last = Some(Checkpoint {
+                            commit_lsn: Lsn(commit),
+                            end_lsn: Lsn(current.end_lsn),
+                            xid,
+                        });
+                        settle.applied = 1;
+                        tentative.transactions += 1;
+                    }
+                    tentative.quarantine_resolved += self
+                        .target
+                        .settle(&self.flow, &self.source_id, &settle)
+                        .await?;
+                    crash(hooks, CrashPoint::AppliedNotCommitted)?;
+                    return Ok(ChunkStep::Done);
+                }
+                let Some(record) = reader
+                    .next()
+                    .transpose()
+                    .map_err(|e| Refusal::Data(e.to_string()))?
+                else {
+                    return Ok(ChunkStep::Incomplete);
+                };
+                let next = match envelope::decode(&record.payload) {
+                    Ok(env) => env,
+                    Err(_) => return Ok(ChunkStep::Restart(record)),
+                };
+                let b = next.boundary.clone().unwrap_or_default();
+                if next.commit_lsn != commit || b.chunk_index != boundary.chunk_index + 1 {
+                    return Ok(ChunkStep::Restart(record));
+                }
+                current = next;
+            }
+        }
+        .await;
+        let refusal = match outcome {
+            Ok(ChunkStep::Done) => match self.target.commit().await {
+                Ok(()) => {
+                    accumulate(stats, tentative);
+                    return Ok(Chunked::Applied);
+                }
+                Err(refusal) => refusal,
+            },
+            Ok(ChunkStep::Incomplete) => {
+                self.target.rollback().await;
+                return Ok(Chunked::Incomplete);
+            }
+            Ok(ChunkStep::Restart(record)) => {
+                self.target.rollback().await;
+                tracing::warn!(commit_lsn = %Lsn(commit), "skipping an incomplete chunk run left by a crash; its transaction follows whole");
+                return Ok(Chunked::Restart(record));
+            }
+            Err(refusal) => refusal,
+        };
+        match refusal {
+            Refusal::Crashed(point) => Err(ApplyError::Crashed(point)),
+            Refusal::Transient(e) => {
+                self.target.rollback().await;
+                Err(ApplyError::Target(e))
+            }
+            Refusal::Data(reason) => {
+                self.target.rollback().await;
+                Err(self
+                    .quarantine(Lsn(commit), xid, reason, &first_bytes)
+                    .await?)
+            }
+        }
+    }
+
+    /// Applies one envelope's rows. Runs of inserts into one table - across
+    /// envelopes and source transactions of the same target transaction -
+    /// are held in `pending` and go as multi-row INSERTs; the caller
+    /// [`flush`](Self::flush)es before it commits or drops the envelopes.
+    async fn apply_envelope<'a>(
+        &mut self,
+        env: &'a Envelope,
+        stats: &mut ApplyStats,
+        pending: &mut Pending<'a>,
+    ) -> Result<(), Refusal> {
+        for ch in &env.changes {
+            let Some(change::Body::Row(row)) = &ch.body else {
+                continue;
+            };
+            let relation = env
+                .relations
+                .iter()
+                .find(|r| r.relation_id == row.relation_id)
+                .ok_or_else(|| {
+                    Refusal::Data(format!(
+                        "change {} names relation {} without schema",
+                        ch.sequence, row.relation_id
+                    ))
+                })?;
+            stats.rows += 1;
+            if row.operation == Operation::Truncate as i32 {
+                self.flush_inserts(pending).await?;
+                pending.truncate.push((relation, row));
+                continue;
+            }
+            if !pending.truncate.is_empty() {
+                let rows = std::mem::take(&mut pending.truncate);
+                self.target.truncate(&rows).await?;
+            }
+            let insert = row.operation == Operation::Insert as i32;
+            let same_run = pending.relation.is_some_and(|r| {
+                r.relation_id == relation.relation_id && r.fingerprint == relation.fingerprint
+            });
+            if !insert || !same_run || pending.inserts.len() >= MAX_RUN_ROWS {
+                self.flush_inserts(pending).await?;
+            }
+            if insert {
+                pending.relation = Some(relation);
+                pending.inserts.push(row);
+            } else {
+                self.change_row(relation, row).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn flush_inserts(&mut self, pending: &mut Pending<'_>) -> Result<(), Refusal> {
+        if let Some(relation) = pending.relation.take()
+            && !pending.inserts.is_empty()
+        {
+            let rows = std::mem::take(&mut pending.inserts);
+            self.target.insert_rows(relation, &rows).await?;
+        }
+        pending.inserts.clear();
+        Ok(())
+    }
+
+    /// Writes everything `pending` holds, in order.
+    async fn flush(&mut self, pending: &mut Pending<'_>) -> Result<(), Refusal> {
+        self.flush_inserts(pending).await?;
+        if !pending.truncate.is_empty() {
+            let rows = std::mem::take(&mut pending.truncate);
+            self.target.truncate(&rows).await?;
+        }
+        Ok(())
+    }
+
+    /// An update or delete must match exactly one row: anything else means
+    /// the target diverged, and applying on would hide it.
+    async fn change_row(
+        &mut self,
+        relation: &RelationSchema,
+        row: &RowChange,
+    ) -> Result<(), Refusal> {
+        let op = match Operation::try_from(row.operation) {
+            Ok(Operation::Update) => "update",
+            Ok(Operation::Delete) => "delete",
+            _ => return Err(Refusal::Data("unknown operation".into())),
+        };
+        match self.target.change_row(relation, row).await? {
+            None | Some(1) => Ok(()),
+            Some(n) => Err(Refusal::Data(format!(
+                "{op} on {}.{} matched {n} rows, expected 1: the target has diverged from the source (no silent divergence)\nhint: run `trellara verify --config {}` to name the diverging key range",
+                relation.namespace, relation.name, self.config_path
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::log::LogConfig;
+    use trellara_common::sample;
+
+    fn chunk(commit: u64, index: u32, count: u32) -> Vec<u8> {
+        envelope::encode(&sample::chunk(commit, index, count)).expect("valid chunk")
+    }
+
+    #[test]
+    fn chunked_transactions_are_handed_over_at_their_first_chunk() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("open");
+        let x = 0x5000_0000;
+        let y = 0x6000_0000;
+        // The crash left X's first two chunks; then X was appended whole,
+        // then Y. A middle-of-run chunk with no start is skipped too.
+        for (lsn, bytes) in [
+            (x, chunk(x, 0, 3)),
+            (x, chunk(x, 1, 3)),
+            (x, chunk(x, 0, 3)),
+            (x, chunk(x, 1, 3)),
+            (x, chunk(x, 2, 3)),
+            (y, chunk(y, 0, 1)),
+        ] {
+            log.append(lsn, &bytes).expect("append");
+        }
+        let mut reader = log.read_from(0).expect("reader");
+        let mut pending = None;
+        // A chunked transaction is handed over at its first chunk, to be
+        // applied one chunk at a time (apply_chunked restarts on a cut run).
+        let Next::Chunked(first, record) =
+            next_transaction(&mut reader, &mut pending).expect("read")
+        else {
+            panic!("X starts chunked")
+        };
+        assert_eq!((first.commit_lsn, record.offset), (x, 0));
+        // A middle-of-run chunk without its start is skipped.
+        let mut reader = log.read_from(1).expect("reader");
+        let Next::Chunked(_, record) = next_transaction(&mut reader, &mut pending).expect("read")
+        else {
+            panic!("the whole X")
+        };
+        assert_eq!(
+            record.offset, 2,
+            "offset 1 (chunk 1 without chunk 0) skipped"
+        );
+        let mut reader = log.read_from(5).expect("reader");
+        let Next::Txn(second) = next_transaction(&mut reader, &mut pending).expect("read") else {
+            panic!("Y")
+        };
+        assert_eq!((second.commit_lsn, second.envelopes.len()), (y, 1));
+        assert!(matches!(
+            next_transaction(&mut reader, &mut pending).expect("read"),
+            Next::End
+        ));
+
+        // A run's first chunk at the tail is handed over too; apply_chunked
+        // finds the rest missing and leaves it for later.
+        log.append(0x7000_0000, &chunk(0x7000_0000, 0, 2))
+            .expect("append");
+        let mut reader = log.read_from(6).expect("reader");
+        assert!(matches!(
+            next_transaction(&mut reader, &mut pending).expect("read"),
+            Next::Chunked(..)
+        ));
+    }
+}

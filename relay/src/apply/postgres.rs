@@ -1,0 +1,477 @@
+//! The PostgreSQL [`Target`]: the applier's rows, checkpoint and quarantine
+//! records as SQL on one target session. Values travel as text and are cast
+//! to the target column's type (`$n::text::type`), the same unambiguous
+//! forms the capture side produces; long insert runs go as COPY.
+
+use super::{QuarantineRecord, Refusal, Settle, Target, TargetError};
+use std::collections::HashMap;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Statement};
+use trellara_common::Lsn;
+use trellara_common::envelope::{
+    self, BeforeImage, Operation, RelationSchema, ReplicaIdentity, RowChange, value,
+};
+
+/// Types with no default equality operator.
+const NO_EQUALITY: &[&str] = &[
+    "json", "xml", "point", "line", "lseg", "box", "path", "polygon", "circle",
+];
+/// PostgreSQL's bind parameter limit.
+const MAX_PARAMS: usize = 65_535;
+/// Prepared statements kept per applier session.
+const STATEMENT_CACHE: usize = 1_000;
+/// Runs at least this long go as COPY instead of a multi-row INSERT.
+const COPY_ROWS: usize = 200;
+
+/// SQLSTATE classes that say nothing about the data: serialization and
+/// deadlock (40), resources (53), lock not available (55P03), operator
+/// intervention / shutdown (57), connection (08).
+fn transient(e: &tokio_postgres::Error) -> bool {
+    match e.as_db_error() {
+        None => true,
+        Some(db) => {
+            let code = db.code().code();
+            ["40", "53", "57", "08"].iter().any(|c| code.starts_with(c)) || code == "55P03"
+        }
+    }
+}
+
+impl From<tokio_postgres::Error> for Refusal {
+    fn from(e: tokio_postgres::Error) -> Self {
+        if transient(&e) {
+            return Refusal::Transient(TargetError::Postgres(e));
+        }
+        match e.as_db_error() {
+            Some(db) => Refusal::Data(format!(
+                "{} (SQLSTATE {}){}",
+                db.message(),
+                db.code().code(),
+                db.detail().map(|d| format!(": {d}")).unwrap_or_default()
+            )),
+            None => Refusal::Data(e.to_string()),
+        }
+    }
+}
+
+/// Target column names and types of one table.
+#[derive(Debug, Clone)]
+struct TargetTable {
+    qualified: String,
+    types: HashMap<String, String>,
+}
+
+/// One target session with its table and statement caches.
+pub struct PgTarget {
+    client: Client,
+    tables: HashMap<String, TargetTable>,
+    statements: HashMap<String, Statement>,
+}
+
+impl std::fmt::Debug for PgTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgTarget").finish_non_exhaustive()
+    }
+}
+
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+impl PgTarget {
+    pub fn new(client: Client) -> Self {
+        PgTarget {
+            client,
+            tables: HashMap::new(),
+            statements: HashMap::new(),
+        }
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    async fn copy_rows(
+        &mut self,
+        table: &TargetTable,
+        columns: &[String],
+        rows: &[&RowChange],
+    ) -> Result<(), Refusal> {
+        use futures_util::SinkExt;
+        let mut data = bytes::BytesMut::with_capacity(rows.len() * 64);
+        for row in rows {
+            for (i, v) in row.after.iter().enumerate() {
+                if i > 0 {
+                    data.extend_from_slice(b"\t");
+                }
+                match text_of(v)? {
+                    None => data.extend_from_slice(b"\\N"),
+                    Some(text) => copy_escape(&text, &mut data),
+                }
+            }
+            data.extend_from_slice(b"\n");
+        }
+        let sink = self
+            .client
+            .copy_in(&format!(
+                "COPY {} ({}) FROM STDIN",
+                table.qualified,
+                columns.join(", ")
+            ))
+            .await?;
+        futures_util::pin_mut!(sink);
+        sink.send(data.freeze()).await?;
+        let copied = sink.finish().await?;
+        if copied != rows.len() as u64 {
+            return Err(Refusal::Data(format!(
+                "COPY into {} wrote {copied} rows, expected {}",
+                table.qualified,
+                rows.len()
+            )));
+        }
+        Ok(())
+    }
+
+    async fn target_table(&mut self, relation: &RelationSchema) -> Result<TargetTable, Refusal> {
+        let qualified = format!(
+            "{}.{}",
+            quote_ident(&relation.namespace),
+            quote_ident(&relation.name)
+        );
+        if let Some(t) = self.tables.get(&qualified) {
+            return Ok(t.clone());
+        }
+        let rows = self
+            .client
+            .query(
+                "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod)
+                 FROM pg_attribute a
+                 WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
+                &[&qualified],
+            )
+            .await?;
+        if rows.is_empty() {
+            return Err(Refusal::Data(super::missing_table(relation)));
+        }
+        let table = TargetTable {
+            qualified: qualified.clone(),
+            types: rows.iter().map(|r| (r.get(0), r.get(1))).collect(),
+        };
+        for column in &relation.columns {
+            if !table.types.contains_key(&column.name) {
+                return Err(Refusal::Data(super::missing_column(relation, &column.name)));
+            }
+        }
+        self.tables.insert(qualified, table.clone());
+        Ok(table)
+    }
+
+    async fn statement(&mut self, sql: String, params: usize) -> Result<Statement, Refusal> {
+        if let Some(s) = self.statements.get(&sql) {
+            return Ok(s.clone());
+        }
+        // Bounded: multi-row INSERTs vary by row count and table.
+        if self.statements.len() >= STATEMENT_CACHE {
+            self.statements.clear();
+        }
+        let statement = self
+            .client
+            .prepare_typed(&sql, &vec![Type::TEXT; params])
+            .await?;
+        self.statements.insert(sql, statement.clone());
+        Ok(statement)
+    }
+}
+
+impl Target for PgTarget {
+    async fn begin(&mut self) -> Result<(), Refusal> {
+        Ok(self.client.batch_execute("BEGIN").await?)
+    }
+
+    async fn commit(&mut self) -> Result<(), Refusal> {
+        Ok(self.client.batch_execute("COMMIT").await?)
+    }
+
+    async fn rollback(&mut self) {
+        // The session may be gone (a transient refusal): the transaction is
+        // rolled back either way.
+        let _ = self.client.batch_execute("ROLLBACK").await;
+    }
+
+    /// Locked until commit, so no other applier can interleave.
+    async fn lock_checkpoint(&mut self, flow: &str) -> Result<Option<Lsn>, Refusal> {
+        let row = self
+            .client
+            .query_opt(
+                "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1 FOR UPDATE",
+                &[&flow],
+            )
+            .await?;
+        match row {
+            None => Ok(None),
+            Some(r) => {
+                let text: String = r.get(0);
+                text.parse().map(Some).map_err(|_| {
+                    Refusal::Data(format!(
+                        "the checkpoint of flow {flow} reads {text:?}, not an LSN"
+                    ))
+                })
+            }
+        }
+    }
+
+    async fn settle(
+        &mut self,
+        flow: &str,
+        source_id: &str,
+        settle: &Settle,
+    ) -> Result<u64, Refusal> {
+        if let Some(last) = &settle.last {
+            self.client
+                .execute(
+                    "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid, transactions, duplicates_skipped)
+                     VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, $5, $6, $7)
+                     ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
+                        commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = EXCLUDED.xid,
+                        transactions = c.transactions + EXCLUDED.transactions,
+                        duplicates_skipped = c.duplicates_skipped + EXCLUDED.duplicates_skipped,
+                        updated_at = now()",
+                    &[
+                        &flow,
+                        &source_id,
+                        &last.commit_lsn.to_string(),
+                        &last.end_lsn.to_string(),
+                        &(last.xid as i64),
+                        &(settle.applied as i64),
+                        &(settle.duplicates as i64),
+                    ],
+                )
+                .await?;
+        } else if settle.duplicates > 0 {
+            self.client
+                .execute(
+                    "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + $2 WHERE flow = $1",
+                    &[&flow, &(settle.duplicates as i64)],
+                )
+                .await?;
+        }
+        if settle.settled.is_empty() {
+            return Ok(0);
+        }
+        let settled: Vec<String> = settle.settled.iter().map(Lsn::to_string).collect();
+        Ok(self
+            .client
+            .execute(
+                "UPDATE trellara.quarantine SET resolved_at = now()
+                 WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL",
+                &[&flow, &settled],
+            )
+            .await?)
+    }
+
+    async fn insert_rows(
+        &mut self,
+        relation: &RelationSchema,
+        rows: &[&RowChange],
+    ) -> Result<(), Refusal> {
+        let table = self.target_table(relation).await?;
+        let columns: Vec<String> = relation
+            .columns
+            .iter()
+            .map(|c| quote_ident(&c.name))
+            .collect();
+        if rows.len() >= COPY_ROWS || rows.len() * columns.len() > MAX_PARAMS {
+            return self.copy_rows(&table, &columns, rows).await;
+        }
+        let mut params: Vec<Option<String>> = Vec::with_capacity(rows.len() * columns.len());
+        let mut tuples = Vec::with_capacity(rows.len());
+        for row in rows {
+            let mut values = Vec::with_capacity(columns.len());
+            for (col, v) in relation.columns.iter().zip(&row.after) {
+                params.push(text_of(v)?);
+                values.push(format!(
+                    "${}::text::{}",
+                    params.len(),
+                    table.types.get(&col.name).map_or("text", String::as_str)
+                ));
+            }
+            tuples.push(format!("({})", values.join(", ")));
+        }
+        let sql = format!(
+            "INSERT INTO {} ({}) VALUES {}",
+            table.qualified,
+            columns.join(", "),
+            tuples.join(", ")
+        );
+        let statement = self.statement(sql, params.len()).await?;
+        let refs: Vec<&(dyn ToSql + Sync)> =
+            params.iter().map(|p| p as &(dyn ToSql + Sync)).collect();
+        self.client.execute(&statement, &refs).await?;
+        Ok(())
+    }
+
+    /// `TRUNCATE a, b [RESTART IDENTITY]`. CASCADE is deliberately not
+    /// replayed (as in PostgreSQL's own apply): on the target it could empty
+    /// tables that are not replicated.
+    async fn truncate(&mut self, rows: &[(&RelationSchema, &RowChange)]) -> Result<(), Refusal> {
+        let mut tables = Vec::with_capacity(rows.len());
+        for (relation, _) in rows {
+            tables.push(self.target_table(relation).await?.qualified);
+        }
+        let mut sql = format!("TRUNCATE {}", tables.join(", "));
+        if rows.iter().any(|(_, r)| r.truncate_restart_identity) {
+            sql.push_str(" RESTART IDENTITY");
+        }
+        self.client.batch_execute(&sql).await?;
+        Ok(())
+    }
+
+    async fn change_row(
+        &mut self,
+        relation: &RelationSchema,
+        row: &RowChange,
+    ) -> Result<Option<u64>, Refusal> {
+        let table = self.target_table(relation).await?;
+        let update = row.operation == Operation::Update as i32;
+        let cast = |i: usize, col: &str| {
+            format!(
+                "${i}::text::{}",
+                table.types.get(col).map_or("text", String::as_str)
+            )
+        };
+        let mut params: Vec<Option<String>> = Vec::new();
+        let mut sets = Vec::new();
+        if update {
+            for (col, v) in relation.columns.iter().zip(&row.after) {
+                if matches!(v.kind, Some(value::Kind::UnchangedToast(_))) {
+                    continue;
+                }
+                params.push(text_of(v)?);
+                sets.push(format!(
+                    "{} = {}",
+                    quote_ident(&col.name),
+                    cast(params.len(), &col.name)
+                ));
+            }
+        }
+        let identity = if row.before_kind == BeforeImage::None as i32 {
+            &row.after
+        } else {
+            &row.before
+        };
+        let full = relation.replica_identity == ReplicaIdentity::Full as i32;
+        let mut conds = Vec::new();
+        for (col, v) in relation.columns.iter().zip(identity) {
+            let ty = table.types.get(&col.name).map_or("", String::as_str);
+            // Types without an equality operator cannot locate a row
+            // (PostgreSQL's apply leaves them out too).
+            if full
+                && NO_EQUALITY
+                    .iter()
+                    .any(|t| ty == *t || ty.starts_with(&format!("{t}[]")))
+            {
+                continue;
+            }
+            if !(col.key || full)
+                || matches!(
+                    v.kind,
+                    Some(value::Kind::Absent(_) | value::Kind::UnchangedToast(_))
+                )
+            {
+                continue;
+            }
+            params.push(text_of(v)?);
+            let op = if full { "IS NOT DISTINCT FROM" } else { "=" };
+            conds.push(format!(
+                "{} {op} {}",
+                quote_ident(&col.name),
+                cast(params.len(), &col.name)
+            ));
+        }
+        if conds.is_empty() {
+            return Err(Refusal::Data(format!(
+                "{}.{} has no replica identity columns to find the row by",
+                relation.namespace, relation.name
+            )));
+        }
+        // FULL identity may match duplicates: touch exactly one.
+        let filter = if full {
+            format!(
+                "ctid = (SELECT ctid FROM {} WHERE {} LIMIT 1)",
+                table.qualified,
+                conds.join(" AND ")
+            )
+        } else {
+            conds.join(" AND ")
+        };
+        let sql = if update {
+            if sets.is_empty() {
+                return Ok(None);
+            }
+            format!(
+                "UPDATE {} SET {} WHERE {filter}",
+                table.qualified,
+                sets.join(", ")
+            )
+        } else {
+            format!("DELETE FROM {} WHERE {filter}", table.qualified)
+        };
+        let statement = self.statement(sql, params.len()).await?;
+        let refs: Vec<&(dyn ToSql + Sync)> =
+            params.iter().map(|p| p as &(dyn ToSql + Sync)).collect();
+        Ok(Some(self.client.execute(&statement, &refs).await?))
+    }
+
+    async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError> {
+        self.client
+            .execute(
+                "INSERT INTO trellara.quarantine (flow, commit_lsn, xid, reason, recovery, envelope)
+                 VALUES ($1, $2::text::pg_lsn, $3, $4, $5, $6)
+                 ON CONFLICT (flow, commit_lsn) DO UPDATE
+                 SET reason = EXCLUDED.reason, attempts = trellara.quarantine.attempts + 1, resolved_at = NULL",
+                &[
+                    &record.flow,
+                    &record.commit_lsn.to_string(),
+                    &(record.xid as i64),
+                    &record.reason,
+                    &record.recovery,
+                    &record.envelope,
+                ],
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+/// COPY text format: backslash, newline, carriage return and tab escaped.
+fn copy_escape(text: &str, out: &mut bytes::BytesMut) {
+    for b in text.bytes() {
+        match b {
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            b'\n' => out.extend_from_slice(b"\\n"),
+            b'\r' => out.extend_from_slice(b"\\r"),
+            b'\t' => out.extend_from_slice(b"\\t"),
+            _ => out.extend_from_slice(&[b]),
+        }
+    }
+}
+
+/// A column value as text for `$n::text::type`; NULL as None.
+pub(crate) fn text_of(v: &envelope::Value) -> Result<Option<String>, Refusal> {
+    Ok(match &v.kind {
+        Some(value::Kind::Null(_)) => None,
+        Some(value::Kind::Text(s)) => Some(s.clone()),
+        Some(value::Kind::Boolean(b)) => Some(b.to_string()),
+        Some(value::Kind::Int64(i)) => Some(i.to_string()),
+        Some(value::Kind::Float64(f)) => Some(f.to_string()),
+        Some(value::Kind::Binary(_)) => {
+            return Err(Refusal::Data(
+                "binary-format values are not supported by the Postgres applier yet".into(),
+            ));
+        }
+        Some(value::Kind::UnchangedToast(_) | value::Kind::Absent(_)) | None => {
+            return Err(Refusal::Data(
+                "a value the applier cannot write (unchanged TOAST in an insert, or absent)".into(),
+            ));
+        }
+    })
+}

@@ -1,0 +1,51 @@
+//! Named crash points: every window in Trellara's ordering where a process
+//! death leaves durable state half-way between two steps. Production code
+//! asks [`CrashHooks::crash_at`] at each window and gets [`NoCrash`]; the
+//! deterministic simulator (`crate::sim`) passes hooks that stop the process
+//! there, then checks the invariants after restart.
+//!
+//! | point | window | protected by |
+//! |---|---|---|
+//! | `ReceivedNotAppended` | receive → append | the source replays from its last ack |
+//! | `AppendedNotSynced` | append → fsync | torn tails are cut on reopen; no ack yet |
+//! | `AppendedNotAcknowledged` | fsync → source ack | duplicates skipped by commit LSN |
+//! | `Acknowledged` | source ack sent | ack only after fsync |
+//! | `AppliedNotCommitted` | apply → checkpoint commit | rows and checkpoint in one target transaction |
+//! | `CommittedCursorNotMoved` | checkpoint → log cursor | the checkpoint skips the redelivery |
+//!
+//! Still to come with their features: publish → cursor (Kafka transport),
+//! copy → handoff record and handoff → stream start (snapshot simulation).
+
+/// A window where the simulator can stop a process as if it died.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrashPoint {
+    /// Relay: a whole envelope was received and batched, not yet appended.
+    ReceivedNotAppended,
+    /// Relay: appended, the fsync not returned. Reached through the
+    /// simulated storage (the process dies inside fsync), not a hook call.
+    AppendedNotSynced,
+    /// Relay: appended and fsynced, the source's Ack not yet sent.
+    AppendedNotAcknowledged,
+    /// Relay: the Ack was sent.
+    Acknowledged,
+    /// Applier: rows and checkpoint written in the open target
+    /// transaction, COMMIT not sent.
+    AppliedNotCommitted,
+    /// Applier: the target transaction committed, the log cursor not moved.
+    CommittedCursorNotMoved,
+}
+
+pub trait CrashHooks {
+    /// True: stop here (the caller treats it as the process dying).
+    fn crash_at(&self, point: CrashPoint) -> bool;
+}
+
+/// Production: never stop.
+#[derive(Debug, Clone, Copy)]
+pub struct NoCrash;
+
+impl CrashHooks for NoCrash {
+    fn crash_at(&self, _: CrashPoint) -> bool {
+        false
+    }
+}
