@@ -97,17 +97,20 @@ fn chaos_run_prints_the_matrix() {
     let out = trellara(&["chaos", "run", "--seeds", "3"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}");
-    assert!(text.contains("SS-01") && text.contains("SS-12"), "{text}");
+    assert!(
+        text.contains("SS-01") && text.contains("SS-14") && text.contains("TA-10"),
+        "{text}"
+    );
     assert!(
         text.contains("invariant:") && text.contains("recovery:"),
         "{text}"
     );
-    assert!(text.contains("12 scenarios, 0 failed"), "{text}");
+    assert!(text.contains("24 scenarios, 0 failed"), "{text}");
 
     let out = trellara(&["chaos", "run", "--seeds", "2", "--format", "json"]);
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(json["failed"], 0);
-    assert_eq!(json["scenarios"].as_array().map(Vec::len), Some(12));
+    assert_eq!(json["scenarios"].as_array().map(Vec::len), Some(24));
     assert_eq!(json["scenarios"][3]["passed"], true);
 
     let out = trellara(&["chaos", "run", "--family", "nope"]);

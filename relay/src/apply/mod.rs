@@ -225,6 +225,12 @@ struct Pending<'a> {
     truncate: Vec<(&'a RelationSchema, &'a RowChange)>,
 }
 
+/// The first chunk of a chunked transaction, decoded and as logged.
+struct ChunkedRun {
+    first: Envelope,
+    first_bytes: Vec<u8>,
+}
+
 /// How a chunked transaction ended.
 enum Chunked {
     Applied,
@@ -321,6 +327,19 @@ fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// Test-only switches that break one ordering rule each, for the
+/// simulator's mutation checks (the matrix must be able to fail).
+#[cfg(test)]
+pub(crate) mod mutation {
+    use std::cell::Cell;
+    thread_local! {
+        /// Move the log cursor before the target commit.
+        pub(crate) static CURSOR_BEFORE_COMMIT: Cell<bool> = const { Cell::new(false) };
+        /// Apply redeliveries as if the checkpoint were absent.
+        pub(crate) static IGNORE_CHECKPOINT: Cell<bool> = const { Cell::new(false) };
+    }
+}
+
 impl Applier<PgTarget> {
     pub fn new(client: Client, flow: &str, source_id: &str, config_path: &str) -> Self {
         Applier::with_target(PgTarget::new(client), flow, source_id, config_path)
@@ -351,8 +370,8 @@ impl<T: Target> Applier<T> {
         &self.target
     }
 
-    pub fn target_mut(&mut self) -> &mut T {
-        &mut self.target
+    pub fn into_target(self) -> T {
+        self.target
     }
 
     /// [`apply_log`](Applier::apply_log) over any storage, stopping at the
@@ -401,17 +420,15 @@ impl<T: Target> Applier<T> {
                     .await?;
             }
             if let Some((first, record)) = chunked {
+                let chunked = ChunkedRun {
+                    first: *first,
+                    first_bytes: record.payload,
+                };
                 match self
-                    .apply_chunked(&mut reader, *first, record.payload, &mut stats, hooks)
+                    .apply_chunked(log, &name, &mut reader, chunked, &mut stats, hooks)
                     .await?
                 {
-                    Chunked::Applied => {
-                        if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
-                            return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
-                        }
-                        let last = reader.next_offset().saturating_sub(1);
-                        log.commit_cursor(&name, CursorPosition::after(last, record.commit_lsn))?;
-                    }
+                    Chunked::Applied => {}
                     Chunked::Incomplete => return Ok(stats),
                     Chunked::Restart(next) => pending = Some(next),
                 }
@@ -442,6 +459,15 @@ impl<T: Target> Applier<T> {
     ) -> Result<(), ApplyError> {
         let mut tentative = ApplyStats::default();
         let single = batch.len() == 1;
+        #[cfg(test)]
+        if mutation::CURSOR_BEFORE_COMMIT.with(std::cell::Cell::get)
+            && let Some(last) = batch.last()
+        {
+            log.commit_cursor(
+                cursor,
+                CursorPosition::after(last.last_offset, last.commit_lsn),
+            )?;
+        }
         match self.apply_transactions(batch, &mut tentative, hooks).await {
             Ok(()) => {
                 accumulate(stats, tentative);
@@ -519,6 +545,9 @@ impl<T: Target> Applier<T> {
         self.target.begin().await?;
         let result = async {
             let checkpoint = self.target.lock_checkpoint(&self.flow).await?;
+            #[cfg(test)]
+            let checkpoint =
+                checkpoint.filter(|_| !mutation::IGNORE_CHECKPOINT.with(std::cell::Cell::get));
             let mut applied: Vec<&SourceTxn> = Vec::new();
             let mut settled = Vec::new();
             let mut pending = Pending::default();
@@ -569,12 +598,14 @@ impl<T: Target> Applier<T> {
     /// a crash and a new transaction starts at the returned record).
     async fn apply_chunked<S: Storage>(
         &mut self,
+        log: &Log<S>,
+        cursor: &str,
         reader: &mut crate::log::Reader<S>,
-        first: Envelope,
-        first_bytes: Vec<u8>,
+        run: ChunkedRun,
         stats: &mut ApplyStats,
         hooks: &dyn CrashHooks,
     ) -> Result<Chunked, ApplyError> {
+        let ChunkedRun { first, first_bytes } = run;
         let commit = first.commit_lsn;
         let xid = first.xid;
         let mut tentative = ApplyStats::default();
@@ -583,6 +614,9 @@ impl<T: Target> Applier<T> {
         let outcome = async {
             began?;
             let checkpoint = self.target.lock_checkpoint(&self.flow).await?;
+            #[cfg(test)]
+            let checkpoint =
+                checkpoint.filter(|_| !mutation::IGNORE_CHECKPOINT.with(std::cell::Cell::get));
             let duplicate = checkpoint.is_some_and(|c| c >= Lsn(commit));
             loop {
                 let boundary = current.boundary.clone().unwrap_or_default();
@@ -613,6 +647,12 @@ impl<T: Target> Applier<T> {
                         .target
                         .settle(&self.flow, &self.source_id, &settle)
                         .await?;
+                    #[cfg(test)]
+                    if mutation::CURSOR_BEFORE_COMMIT.with(std::cell::Cell::get) {
+                        let last = reader.next_offset().saturating_sub(1);
+                        log.commit_cursor(cursor, CursorPosition::after(last, commit))
+                            .map_err(|e| Refusal::Data(e.to_string()))?;
+                    }
                     crash(hooks, CrashPoint::AppliedNotCommitted)?;
                     return Ok(ChunkStep::Done);
                 }
@@ -636,13 +676,21 @@ impl<T: Target> Applier<T> {
         }
         .await;
         let refusal = match outcome {
-            Ok(ChunkStep::Done) => match self.target.commit().await {
-                Ok(()) => {
-                    accumulate(stats, tentative);
-                    return Ok(Chunked::Applied);
+            Ok(ChunkStep::Done) => {
+                // The run's last chunk is the record just read.
+                let last = CursorPosition::after(reader.next_offset().saturating_sub(1), commit);
+                match self.target.commit().await {
+                    Ok(()) => {
+                        accumulate(stats, tentative);
+                        if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
+                            return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
+                        }
+                        log.commit_cursor(cursor, last)?;
+                        return Ok(Chunked::Applied);
+                    }
+                    Err(refusal) => refusal,
                 }
-                Err(refusal) => refusal,
-            },
+            }
             Ok(ChunkStep::Incomplete) => {
                 self.target.rollback().await;
                 return Ok(Chunked::Incomplete);

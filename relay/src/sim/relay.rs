@@ -1,10 +1,9 @@
-//! The deterministic simulator, first family (source and stream, native
-//! relay): the relay's real ordering code ([`native::serve_frames`]) and the
-//! real log run over [`SimStorage`], fed by a simulated worker through an
-//! in-memory pipe, and stopped at named crash points as if the process died.
-//! After each crash the storage loses what was not synced, the log is
-//! reopened (torn tails cut), and the worker replays from the only position
-//! it trusts: the last Ack. One seed is one history.
+//! Source and stream: the native relay's real ordering code
+//! ([`native::serve_frames`]) and the real log over [`SimStorage`], fed by a
+//! simulated worker through an in-memory pipe, and stopped at named crash
+//! points as if the process died. After each crash the storage loses what
+//! was not synced, the log is reopened (torn tails cut), and the worker
+//! replays from the only position it trusts: the last Ack.
 //!
 //! ```text
 //!  simulated worker ── frames ──▶ serve_frames ──▶ Log<SimStorage> (append + fsync)
@@ -17,76 +16,29 @@
 //!   durably (publish before acknowledge);
 //! - at the end every source transaction is in the log exactly once, in
 //!   commit order, whole (no gap, no duplicate, no half transaction).
-//!
-//! [`SCENARIOS`] lists them as data for `trellara chaos run`. Not built yet
-//! (issue 7): the applier, snapshot and capture families, `chaos report`.
 
-use crate::crash::{CrashHooks, CrashPoint};
+use super::{CrashOnce, Rng, sim_envelope, sim_log_config, sim_row};
+use crate::crash::CrashPoint;
+use crate::log::Log;
 use crate::log::storage::{SimCrash, SimStorage};
-use crate::log::{Log, LogConfig};
 use crate::native::{self, NativeConfig, NativeStats};
-use std::cell::Cell;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use trellara_common::envelope::{self, Envelope};
+use trellara_common::envelope::{self, Envelope, Operation};
 use trellara_common::native_frame::FrameWriter;
 use trellara_common::native_wire::RelayMessage;
 
-/// Crashes at the `nth` time `point` is reached (once).
-struct CrashOnce {
-    point: CrashPoint,
-    nth: u32,
-    seen: Cell<u32>,
-    fired: Cell<bool>,
-}
-
-impl CrashHooks for CrashOnce {
-    fn crash_at(&self, point: CrashPoint) -> bool {
-        if self.fired.get() || point != self.point {
-            return false;
-        }
-        self.seen.set(self.seen.get() + 1);
-        if self.seen.get() >= self.nth {
-            self.fired.set(true);
-            return true;
-        }
-        false
-    }
-}
-
-/// SplitMix64: the only randomness, from the seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
-
-/// Small segments, so histories seal several and index files exist.
-fn sim_log_config() -> LogConfig {
-    LogConfig {
-        max_segment_bytes: 4096,
-        ..LogConfig::default()
-    }
-}
-
 /// What goes wrong in a history.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Fault {
+pub(crate) enum RelayFault {
     /// The relay dies at `CrashPoint` (the k-th time) and the machine loses
     /// what `SimCrash` says.
     Crash(CrashPoint, SimCrash),
     /// One fsync fails (the k-th): the log poisons itself, the relay exits
-    /// without acknowledging, restarts and the worker replays.
-    FsyncFails,
+    /// without acknowledging, restarts and the worker replays. The storage
+    /// then loses what `SimCrash` says of the unsynced writes: all of them
+    /// (the failed writeback), or a torn or garbage tail (the process died
+    /// inside fsync: the append -> fsync window).
+    FsyncFails(SimCrash),
     /// A crash at the point, and every sparse index file is lost with it:
     /// the reopened log rebuilds what it needs from the segments.
     CrashLosingIndex(CrashPoint),
@@ -102,79 +54,15 @@ pub(crate) struct History {
     pub index_files_lost: u32,
 }
 
-/// `rows` inserts into a simulated `public.sim` (id, note of `note_len`
-/// bytes), as a whole-transaction envelope the relay accepts.
+/// `rows` inserts into `public.sim` (note of `note_len` bytes), as a
+/// whole-transaction envelope the relay accepts.
 fn workload_transaction(rows: usize, note_len: usize) -> Envelope {
-    use trellara_common::envelope::{
-        BeforeImage, Boundary, Capture, Change, ColumnSchema, Operation, RelationSchema,
-        ReplicaIdentity, RowChange, SourceIdentity, Value, boundary, capture, change, value,
-    };
-    let column = |name: &str, type_oid, key| ColumnSchema {
-        name: name.into(),
-        type_oid,
-        type_modifier: -1,
-        key,
-    };
-    let mut relation = RelationSchema {
-        relation_id: 16_385,
-        namespace: "public".into(),
-        name: "sim".into(),
-        replica_identity: ReplicaIdentity::Default as i32,
-        columns: vec![column("id", 20, true), column("note", 25, false)],
-        fingerprint: 0,
-    };
-    relation.fingerprint = trellara_common::fingerprint::fingerprint(&relation);
-    let text = |s: String| Value {
-        kind: Some(value::Kind::Text(s)),
-    };
-    let changes = (0..rows)
-        .map(|i| Change {
-            sequence: i as u64,
-            body: Some(change::Body::Row(RowChange {
-                relation_id: relation.relation_id,
-                operation: Operation::Insert as i32,
-                before_kind: BeforeImage::None as i32,
-                before: Vec::new(),
-                after: vec![text(i.to_string()), text("x".repeat(note_len))],
-                truncate_cascade: false,
-                truncate_restart_identity: false,
-            })),
-        })
+    let note = "x".repeat(note_len);
+    let rows: Vec<_> = (0..rows as u64)
+        .map(|i| sim_row(Operation::Insert, i, &note, None))
         .collect();
-    Envelope {
-        protocol_version: envelope::PROTOCOL_VERSION,
-        source: Some(SourceIdentity {
-            source_id: "sim".into(),
-            dataset_id: "sim".into(),
-            system_identifier: 1,
-            database: "sim".into(),
-            timeline: 1,
-        }),
-        xid: 1_000,
-        begin_lsn: 0,
-        commit_lsn: 0,
-        end_lsn: 0,
-        commit_time_micros: 1_796_000_000_000_000,
-        relations: vec![relation],
-        changes,
-        boundary: Some(Boundary {
-            mode: boundary::Mode::Whole as i32,
-            chunk_index: 0,
-            chunk_count: 1,
-            first_sequence: 0,
-            total_changes: rows as u64,
-            partition: 0,
-            manifest_partitions: Vec::new(),
-        }),
-        origin: String::new(),
-        capture: Some(Capture {
-            path: capture::Path::Native as i32,
-            server_version_num: 170_009,
-            decoder: "trellara/1".into(),
-            captured_at_micros: 1_796_000_000_001_000,
-        }),
-        checksum: 0,
-    }
+    let total = rows.len() as u64;
+    sim_envelope(rows, 0, (0, 1), total)
 }
 
 /// Source transactions: commit LSNs increasing, sizes from the seed, framed
@@ -213,15 +101,15 @@ pub(crate) fn native_relay_history(
     point: CrashPoint,
     mode: SimCrash,
 ) -> Result<History, String> {
-    history_with(seed, Fault::Crash(point, mode))
+    history_with(seed, RelayFault::Crash(point, mode))
 }
 
 /// Runs one history with `fault` (see [`native_relay_history`]).
-pub(crate) fn history_with(seed: u64, fault: Fault) -> Result<History, String> {
+pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, String> {
     let (point, mode) = match fault {
-        Fault::Crash(point, mode) => (point, mode),
-        Fault::FsyncFails => (CrashPoint::Acknowledged, SimCrash::LoseUnsynced),
-        Fault::CrashLosingIndex(point) => (point, SimCrash::LoseUnsynced),
+        RelayFault::Crash(point, mode) => (point, mode),
+        RelayFault::FsyncFails(mode) => (CrashPoint::AppendedNotSynced, mode),
+        RelayFault::CrashLosingIndex(point) => (point, SimCrash::LoseUnsynced),
     };
     let mut rng = Rng(seed);
     let txns = source(&mut rng);
@@ -237,14 +125,10 @@ pub(crate) fn history_with(seed: u64, fault: Fault) -> Result<History, String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .map_err(|e| format!("runtime: {e}"))?;
-    let hooks = CrashOnce {
-        point,
-        // Early enough that every point is reached in (almost) every history.
-        nth: 1 + rng.below(3) as u32,
-        seen: Cell::new(0),
-        // An fsync fault history crashes by the fault, not by a hook.
-        fired: Cell::new(fault == Fault::FsyncFails),
-    };
+    // Early enough that every point is reached in (almost) every history.
+    let hooks = CrashOnce::new(point, 1 + rng.below(3) as u32);
+    // An fsync fault history crashes by the fault, not by a hook.
+    hooks.fired.set(matches!(fault, RelayFault::FsyncFails(_)));
     let fsync_skip = rng.below(4) as u32;
     let last_end = txns.last().map_or(0, |(env, _)| env.end_lsn);
     let mut confirmed = 0u64;
@@ -264,7 +148,7 @@ pub(crate) fn history_with(seed: u64, fault: Fault) -> Result<History, String> {
             .map_err(|e| format!("seed {seed}: reopen the log: {e}"))?;
         let resume =
             crate::capture::read_resume(&log).map_err(|e| format!("seed {seed}: resume: {e}"))?;
-        if fault == Fault::FsyncFails && history.rounds == 1 {
+        if matches!(fault, RelayFault::FsyncFails(_)) && history.rounds == 1 {
             storage.inject(crate::log::storage::SimFault {
                 op: crate::log::storage::SimOp::Sync,
                 path_contains: None,
@@ -349,7 +233,7 @@ pub(crate) fn history_with(seed: u64, fault: Fault) -> Result<History, String> {
             {
                 history.crashes += 1;
                 storage.crash(mode);
-                if let Fault::CrashLosingIndex(_) = fault {
+                if let RelayFault::CrashLosingIndex(_) = fault {
                     use crate::log::storage::Storage;
                     let dir = std::path::Path::new("/log");
                     for name in storage.list(dir).unwrap_or_default() {
@@ -360,11 +244,13 @@ pub(crate) fn history_with(seed: u64, fault: Fault) -> Result<History, String> {
                 }
             }
             // A failed fsync poisons the log: the relay exits (the process
-            // would), and what it had not synced is gone.
-            Err(native::ConnectionError::Fatal(_)) if fault == Fault::FsyncFails => {
+            // would), and what it had not synced is lost or torn.
+            Err(native::ConnectionError::Fatal(_))
+                if matches!(fault, RelayFault::FsyncFails(_)) =>
+            {
                 history.crashes += 1;
                 storage.clear_faults();
-                storage.crash(SimCrash::LoseUnsynced);
+                storage.crash(mode);
             }
             Err(e) => return Err(format!("seed {seed}: the relay failed: {e:?}")),
         }
@@ -396,142 +282,6 @@ pub(crate) fn history_with(seed: u64, fault: Fault) -> Result<History, String> {
         ));
     }
     Ok(history)
-}
-
-/// One scenario of the failure matrix: what it simulates, the invariant it
-/// protects, how a user proves it and how they recover.
-#[derive(Debug, Clone, Copy)]
-pub struct Scenario {
-    pub id: &'static str,
-    pub family: &'static str,
-    pub simulation: &'static str,
-    pub invariant: &'static str,
-    pub proof: &'static str,
-    pub recovery: &'static str,
-    fault: Fault,
-}
-
-const PROOF: &str = "trellara chaos run --family source-and-stream";
-const RECOVERY: &str =
-    "restart the relay: the worker replays from its slot; the log skips what it holds";
-
-macro_rules! scenario {
-    ($id:literal, $point:ident, $mode:ident, $sim:literal, $inv:literal) => {
-        Scenario {
-            id: $id,
-            family: "source-and-stream",
-            simulation: $sim,
-            invariant: $inv,
-            proof: PROOF,
-            recovery: RECOVERY,
-            fault: Fault::Crash(CrashPoint::$point, SimCrash::$mode),
-        }
-    };
-}
-
-/// The matrix as built so far (issue 7: the applier, snapshot and capture
-/// families come next).
-pub const SCENARIOS: [Scenario; 12] = [
-    scenario!(
-        "SS-01",
-        ReceivedNotAppended,
-        LoseUnsynced,
-        "relay crash after receiving, before the append",
-        "no gap: nothing acknowledged is lost"
-    ),
-    scenario!(
-        "SS-02",
-        ReceivedNotAppended,
-        TornTail,
-        "relay crash before the append, torn write on disk",
-        "a torn tail is cut, never read as a transaction"
-    ),
-    scenario!(
-        "SS-03",
-        ReceivedNotAppended,
-        GarbageTail,
-        "relay crash before the append, garbage on disk",
-        "garbage past the durable end is cut, never applied"
-    ),
-    scenario!(
-        "SS-04",
-        AppendedNotAcknowledged,
-        LoseUnsynced,
-        "relay crash after publish (fsync) before the source ack",
-        "duplicates only: the replay is skipped, not appended twice"
-    ),
-    scenario!(
-        "SS-05",
-        AppendedNotAcknowledged,
-        TornTail,
-        "crash after publish before ack, torn later writes",
-        "what was fsynced survives; the source resumes behind it"
-    ),
-    scenario!(
-        "SS-06",
-        AppendedNotAcknowledged,
-        GarbageTail,
-        "crash after publish before ack, garbage later writes",
-        "what was fsynced survives intact"
-    ),
-    scenario!(
-        "SS-07",
-        Acknowledged,
-        LoseUnsynced,
-        "relay crash right after the source ack",
-        "the source checkpoint is never ahead of the durable log"
-    ),
-    scenario!(
-        "SS-08",
-        Acknowledged,
-        TornTail,
-        "crash after the ack, torn writes of the next batch",
-        "acknowledged transactions are all in the log"
-    ),
-    scenario!(
-        "SS-09",
-        Acknowledged,
-        GarbageTail,
-        "crash after the ack, garbage writes of the next batch",
-        "acknowledged transactions are all in the log, once"
-    ),
-    Scenario {
-        id: "SS-10",
-        family: "source-and-stream",
-        simulation: "log fsync fails (the log poisons itself) and the relay restarts",
-        invariant: "no acknowledgement without a successful fsync; nothing lost",
-        proof: PROOF,
-        recovery: "restart the relay on healthy storage: the worker replays from its last ack",
-        fault: Fault::FsyncFails,
-    },
-    Scenario {
-        id: "SS-11",
-        family: "source-and-stream",
-        simulation: "crash after publish, sparse index files lost",
-        invariant: "the log index is rebuilt from the segments; every transaction readable once",
-        proof: PROOF,
-        recovery: RECOVERY,
-        fault: Fault::CrashLosingIndex(CrashPoint::AppendedNotAcknowledged),
-    },
-    Scenario {
-        id: "SS-12",
-        family: "source-and-stream",
-        simulation: "crash after the ack, sparse index files lost",
-        invariant: "acknowledged transactions survive index loss",
-        proof: PROOF,
-        recovery: RECOVERY,
-        fault: Fault::CrashLosingIndex(CrashPoint::Acknowledged),
-    },
-];
-
-/// Runs `scenario` over `seeds` seeds (from `first_seed`): the failing
-/// seed and what broke, or how many crashes the histories went through.
-pub fn run_scenario(scenario: &Scenario, first_seed: u64, seeds: u64) -> Result<u32, String> {
-    let mut crashes = 0;
-    for seed in first_seed..first_seed + seeds {
-        crashes += history_with(seed, scenario.fault)?.crashes;
-    }
-    Ok(crashes)
 }
 
 #[cfg(test)]
@@ -587,27 +337,12 @@ mod tests {
         );
     }
 
-    /// Every scenario of the matrix holds over 30 seeds, and the new
-    /// faults (fsync failure, index loss) actually happen.
-    #[test]
-    fn every_scenario_holds() {
-        for scenario in &SCENARIOS {
-            let crashes =
-                run_scenario(scenario, 0, 30).unwrap_or_else(|e| panic!("{}: {e}", scenario.id));
-            assert!(
-                crashes >= 20,
-                "{}: only {crashes} crashes in 30 histories",
-                scenario.id
-            );
-        }
-    }
-
     /// The index-loss scenarios really lose index files.
     #[test]
     fn index_loss_histories_lose_index_files() {
         let lost: u32 = (0..20)
             .map(|seed| {
-                history_with(seed, Fault::CrashLosingIndex(CrashPoint::Acknowledged))
+                history_with(seed, RelayFault::CrashLosingIndex(CrashPoint::Acknowledged))
                     .map(|h| h.index_files_lost)
                     .unwrap_or_else(|e| panic!("{e}"))
             })

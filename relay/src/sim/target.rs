@@ -1,0 +1,289 @@
+//! An in-memory target database for the simulator: tables keyed by their
+//! replica identity, the flow's checkpoint row and quarantine records, with
+//! real transaction semantics (a transaction works on a copy that replaces
+//! the committed state at COMMIT, and vanishes on rollback or crash) and
+//! seeded faults at COMMIT and at the checkpoint write. Every committed
+//! state is kept, so the simulator can check what a concurrent reader could
+//! have observed at each commit.
+
+use crate::apply::{QuarantineRecord, Refusal, Settle, Target, TargetError, postgres::text_of};
+use std::collections::BTreeMap;
+use trellara_common::Lsn;
+use trellara_common::envelope::{BeforeImage, Operation, RelationSchema, RowChange, value};
+
+/// Rows of one table by key text.
+pub(crate) type Table = BTreeMap<String, Vec<Option<String>>>;
+
+/// The flow's row in `trellara.checkpoints`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct CheckpointRow {
+    pub commit_lsn: Lsn,
+    pub transactions: u64,
+    pub duplicates: u64,
+}
+
+/// One row of `trellara.quarantine`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct QuarantineRow {
+    pub reason: String,
+    pub attempts: u32,
+    pub resolved: bool,
+}
+
+/// Everything the target holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Db {
+    pub tables: BTreeMap<String, Table>,
+    pub checkpoint: Option<CheckpointRow>,
+    pub quarantine: BTreeMap<Lsn, QuarantineRow>,
+    /// A check constraint on every table: `note` at most this many bytes.
+    pub max_note: Option<usize>,
+}
+
+/// Seeded target faults, each once, at the n-th call.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct TargetFaults {
+    /// The n-th COMMIT loses its session; `.1`: the server had committed.
+    pub commit_lost: Option<(u32, bool)>,
+    /// The n-th checkpoint write fails (disk full).
+    pub checkpoint_fails: Option<u32>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct SimTarget {
+    pub committed: Db,
+    open: Option<Db>,
+    pub faults: TargetFaults,
+    commits: u32,
+    settles: u32,
+    /// Faults that fired.
+    pub fired: u32,
+    /// Each committed state, in commit order, since the last take.
+    pub observed: Vec<Db>,
+}
+
+fn table_name(relation: &RelationSchema) -> String {
+    format!("{}.{}", relation.namespace, relation.name)
+}
+
+fn data(reason: String) -> Refusal {
+    Refusal::Data(reason)
+}
+
+/// The key text of `values` (the key columns of `relation`).
+fn key_of(relation: &RelationSchema, values: &[trellara_common::envelope::Value]) -> String {
+    relation
+        .columns
+        .iter()
+        .zip(values)
+        .filter(|(c, _)| c.key)
+        .map(|(_, v)| text_of(v).ok().flatten().unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\u{1f}")
+}
+
+fn check(
+    max_note: Option<usize>,
+    relation: &RelationSchema,
+    row: &[Option<String>],
+) -> Result<(), Refusal> {
+    let note = relation.columns.iter().position(|c| c.name == "note");
+    if let (Some(max), Some(i)) = (max_note, note)
+        && row
+            .get(i)
+            .and_then(Option::as_ref)
+            .is_some_and(|n| n.len() > max)
+    {
+        return Err(data(format!(
+            "new row for relation \"{}\" violates check constraint \"note_length\" (SQLSTATE 23514)",
+            relation.name
+        )));
+    }
+    Ok(())
+}
+
+impl SimTarget {
+    pub fn new(db: Db) -> Self {
+        SimTarget {
+            committed: db,
+            ..SimTarget::default()
+        }
+    }
+
+    /// The process died: its open transaction is gone with its session.
+    pub fn crash(&mut self) {
+        self.open = None;
+    }
+
+    fn open(&mut self) -> Result<&mut Db, Refusal> {
+        self.open
+            .as_mut()
+            .ok_or_else(|| data("no transaction is open".into()))
+    }
+
+    fn table(&mut self, relation: &RelationSchema) -> Result<&mut Table, Refusal> {
+        let name = table_name(relation);
+        self.open()?
+            .tables
+            .get_mut(&name)
+            .ok_or_else(|| data(crate::apply::missing_table(relation)))
+    }
+}
+
+impl Target for SimTarget {
+    async fn begin(&mut self) -> Result<(), Refusal> {
+        self.open = Some(self.committed.clone());
+        Ok(())
+    }
+
+    async fn commit(&mut self) -> Result<(), Refusal> {
+        let db = self
+            .open
+            .take()
+            .ok_or_else(|| data("no transaction".into()))?;
+        self.commits += 1;
+        if let Some((nth, applied)) = self.faults.commit_lost
+            && self.commits == nth
+        {
+            self.fired += 1;
+            if applied {
+                self.committed = db;
+                self.observed.push(self.committed.clone());
+            }
+            return Err(Refusal::Transient(TargetError::Simulated(
+                "connection lost during COMMIT".into(),
+            )));
+        }
+        self.committed = db;
+        self.observed.push(self.committed.clone());
+        Ok(())
+    }
+
+    async fn rollback(&mut self) {
+        self.open = None;
+    }
+
+    async fn lock_checkpoint(&mut self, _flow: &str) -> Result<Option<Lsn>, Refusal> {
+        Ok(self.open()?.checkpoint.map(|c| c.commit_lsn))
+    }
+
+    async fn settle(
+        &mut self,
+        _flow: &str,
+        _source_id: &str,
+        settle: &Settle,
+    ) -> Result<u64, Refusal> {
+        self.settles += 1;
+        if self.faults.checkpoint_fails == Some(self.settles) {
+            self.fired += 1;
+            return Err(Refusal::Transient(TargetError::Simulated(
+                "could not extend file: No space left on device (SQLSTATE 53100)".into(),
+            )));
+        }
+        let db = self.open()?;
+        if let Some(last) = &settle.last {
+            let row = db.checkpoint.get_or_insert_with(CheckpointRow::default);
+            row.commit_lsn = last.commit_lsn;
+            row.transactions += settle.applied;
+            row.duplicates += settle.duplicates;
+        } else if let Some(row) = db.checkpoint.as_mut() {
+            row.duplicates += settle.duplicates;
+        }
+        let mut resolved = 0;
+        for lsn in &settle.settled {
+            if let Some(q) = db.quarantine.get_mut(lsn)
+                && !q.resolved
+            {
+                q.resolved = true;
+                resolved += 1;
+            }
+        }
+        Ok(resolved)
+    }
+
+    async fn insert_rows(
+        &mut self,
+        relation: &RelationSchema,
+        rows: &[&RowChange],
+    ) -> Result<(), Refusal> {
+        let max_note = self.open()?.max_note;
+        let table = self.table(relation)?;
+        for row in rows {
+            let values = row
+                .after
+                .iter()
+                .map(text_of)
+                .collect::<Result<Vec<_>, _>>()?;
+            check(max_note, relation, &values)?;
+            let key = key_of(relation, &row.after);
+            if table.contains_key(&key) {
+                return Err(data(format!(
+                    "duplicate key value violates unique constraint \"{}_pkey\" (SQLSTATE 23505)",
+                    relation.name
+                )));
+            }
+            table.insert(key, values);
+        }
+        Ok(())
+    }
+
+    async fn truncate(&mut self, rows: &[(&RelationSchema, &RowChange)]) -> Result<(), Refusal> {
+        for (relation, _) in rows {
+            self.table(relation)?.clear();
+        }
+        Ok(())
+    }
+
+    async fn change_row(
+        &mut self,
+        relation: &RelationSchema,
+        row: &RowChange,
+    ) -> Result<Option<u64>, Refusal> {
+        let max_note = self.open()?.max_note;
+        let identity = if row.before_kind == BeforeImage::None as i32 {
+            &row.after
+        } else {
+            &row.before
+        };
+        let key = key_of(relation, identity);
+        let table = self.table(relation)?;
+        let Some(old) = table.remove(&key) else {
+            return Ok(Some(0));
+        };
+        if row.operation == Operation::Update as i32 {
+            let mut new = Vec::with_capacity(old.len());
+            for (i, v) in row.after.iter().enumerate() {
+                new.push(match v.kind {
+                    Some(value::Kind::UnchangedToast(_)) => old.get(i).cloned().flatten(),
+                    _ => text_of(v)?,
+                });
+            }
+            check(max_note, relation, &new)?;
+            let new_key = key_of(relation, &row.after);
+            if table.contains_key(&new_key) {
+                return Err(data(format!(
+                    "duplicate key value violates unique constraint \"{}_pkey\" (SQLSTATE 23505)",
+                    relation.name
+                )));
+            }
+            table.insert(new_key, new);
+        }
+        Ok(Some(1))
+    }
+
+    async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError> {
+        let row = self
+            .committed
+            .quarantine
+            .entry(record.commit_lsn)
+            .or_insert_with(|| QuarantineRow {
+                reason: String::new(),
+                attempts: 0,
+                resolved: false,
+            });
+        row.reason = record.reason.to_owned();
+        row.attempts += 1;
+        row.resolved = false;
+        Ok(())
+    }
+}
