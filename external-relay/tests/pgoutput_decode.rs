@@ -352,6 +352,18 @@ fn decodes_every_v1_and_v2_message() {
     }
 }
 
+/// The simulator's walsender writes exactly what a server writes.
+#[test]
+fn encode_is_the_inverse_of_decode() {
+    for (bytes, _, message) in corpus() {
+        assert_eq!(
+            trellara_external_relay::pgoutput::encode(&message),
+            bytes,
+            "{message:?}"
+        );
+    }
+}
+
 #[test]
 fn every_truncation_is_an_error() {
     for (bytes, ctx, _) in corpus() {

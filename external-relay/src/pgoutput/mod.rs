@@ -1,6 +1,7 @@
 //! pgoutput logical replication messages, protocol versions 1 and 2.
 //!
-//! [`decode`] turns one XLogData payload into one [`Message`]. It never panics
+//! [`decode`] turns one XLogData payload into one [`Message`] ([`encode`]
+//! is its inverse, for the simulator's walsender). It never panics
 //! on malformed input (the module denies `unwrap` and slice indexing; a fuzz
 //! target drives it) and rejects trailing bytes, as PostgreSQL's own
 //! `pq_getmsgend` does. Messages that only exist in protocol 3 and 4
@@ -12,8 +13,10 @@
 //! data-carrying message is prefixed by the (sub)transaction id.
 
 mod decode;
+mod encode;
 
 pub use decode::{DecodeError, decode};
+pub use encode::encode;
 
 use bytes::Bytes;
 
