@@ -20,14 +20,18 @@
 //!   holds, that was invalidated, or that another process holds, stops
 //!   capture with an error naming it and the recovery.
 
-use crate::log::{CursorPosition, Log, LogConfig, storage::FsStorage};
+use crate::crash::{CrashHooks, CrashPoint, NoCrash};
+use crate::log::storage::{FsStorage, Storage};
+use crate::log::{CursorPosition, Log, LogConfig};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 use trellara_common::Lsn;
 use trellara_common::envelope::{self, Envelope, SourceIdentity};
 use trellara_external_relay::pgoutput::{self, DecodeContext, Message, ProtoVersion};
-use trellara_external_relay::pgwire::{ConnectOptions, Connection, ReplicationEvent, WireError};
+use trellara_external_relay::pgwire::{
+    ConnectOptions, Connection, ReplicationEvent, ReplicationStream, WireError,
+};
 use trellara_external_relay::{AssembleOrSink, Assembler, AssemblerConfig, AssemblyError};
 
 /// The consumer name under which the log records how far the source was
@@ -120,6 +124,9 @@ pub enum CaptureError {
     Config(String),
     #[error(transparent)]
     Lock(#[from] std::io::Error),
+    /// Only the simulator's crash hooks produce this.
+    #[error("simulated crash at {0:?}")]
+    Crashed(CrashPoint),
 }
 
 impl CaptureError {
@@ -245,9 +252,7 @@ async fn session(
     config: &CaptureConfig,
     log: &Log<FsStorage>,
     stats: &mut CaptureStats,
-    mut shutdown: std::pin::Pin<
-        &mut futures_util::future::Fuse<impl std::future::Future<Output = ()>>,
-    >,
+    shutdown: std::pin::Pin<&mut futures_util::future::Fuse<impl std::future::Future<Output = ()>>>,
     stopped: &mut bool,
 ) -> Result<(), CaptureError> {
     let resume = read_resume(log)?;
@@ -330,6 +335,87 @@ async fn session(
         spill_dir: config.log_dir.join("spill-capture"),
         pinned: config.pinned.clone(),
     });
+    let stopped_cleanly = stream_changes(
+        config,
+        log,
+        &mut stream,
+        &mut assembler,
+        resume,
+        stats,
+        shutdown,
+        &NoCrash,
+    )
+    .await?;
+    if stopped_cleanly {
+        // Leave the slot exactly at what is durable.
+        *stopped = true;
+        stream.send_status().await?;
+        stream.finish().await?;
+    }
+    Ok(())
+}
+
+/// What a capture session reads from: the walsender's replication stream,
+/// or the simulator's. `durable` is the position the next standby status
+/// reports as flushed.
+#[allow(async_fn_in_trait)] // one task; no Send bound needed
+pub trait SourceStream {
+    async fn recv(&mut self) -> Result<Option<ReplicationEvent>, WireError>;
+    fn set_durable(&mut self, lsn: Lsn);
+    fn durable(&self) -> Lsn;
+    fn status_due(&self, every: Duration) -> bool;
+    async fn send_status(&mut self) -> Result<(), WireError>;
+}
+
+impl SourceStream for ReplicationStream {
+    async fn recv(&mut self) -> Result<Option<ReplicationEvent>, WireError> {
+        ReplicationStream::recv(self).await
+    }
+    fn set_durable(&mut self, lsn: Lsn) {
+        ReplicationStream::set_durable(self, lsn);
+    }
+    fn durable(&self) -> Lsn {
+        ReplicationStream::durable(self)
+    }
+    fn status_due(&self, every: Duration) -> bool {
+        ReplicationStream::status_due(self, every)
+    }
+    async fn send_status(&mut self) -> Result<(), WireError> {
+        ReplicationStream::send_status(self).await
+    }
+}
+
+/// Test-only switches that break one ordering rule each, for the
+/// simulator's mutation checks.
+#[cfg(test)]
+pub(crate) mod mutation {
+    use std::cell::Cell;
+    thread_local! {
+        /// Let the source position move before the append.
+        pub(crate) static ACK_BEFORE_APPEND: Cell<bool> = const { Cell::new(false) };
+        /// Advance on a keepalive even inside an open transaction.
+        pub(crate) static KEEPALIVE_IN_TRANSACTION: Cell<bool> = const { Cell::new(false) };
+    }
+}
+
+/// The streaming loop: decode, assemble, append (group commit), and only
+/// then let the source position move. Returns true when `shutdown` fired
+/// (the caller reports the durable position and ends the stream), or the
+/// error that ended the session. `hooks` stop it at the named crash points
+/// (the simulator's; production passes [`NoCrash`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
+    config: &CaptureConfig,
+    log: &Log<S>,
+    stream: &mut R,
+    assembler: &mut Assembler,
+    resume: Resume,
+    stats: &mut CaptureStats,
+    mut shutdown: std::pin::Pin<
+        &mut futures_util::future::Fuse<impl std::future::Future<Output = ()>>,
+    >,
+    hooks: &dyn CrashHooks,
+) -> Result<bool, CaptureError> {
     let mut in_stream_block = false;
     // Group commit: envelopes decoded from data already received are
     // appended together, one fsync for the batch, and acknowledged after it.
@@ -340,13 +426,7 @@ async fn session(
             tokio::select! {
                 ev = stream.recv() => Some(ev?.ok_or(WireError::Closed)?),
                 () = tokio::time::sleep(config.status_interval) => None,
-                () = &mut shutdown => {
-                    // Leave the slot exactly at what is durable.
-                    *stopped = true;
-                    stream.send_status().await?;
-                    stream.finish().await?;
-                    return Ok(());
-                }
+                () = &mut shutdown => return Ok(true),
             }
         } else {
             let full = batch.bytes >= BATCH_BYTES || batch.records.len() >= BATCH_RECORDS;
@@ -360,27 +440,24 @@ async fn session(
             match ready {
                 Some(ev) => Some(ev?.ok_or(WireError::Closed)?),
                 None => {
-                    batch.flush(log, &mut stream, stats)?;
+                    batch.flush(log, stream, stats, hooks)?;
                     None
                 }
             }
         };
         if let Some(ev) = event {
-            handle_event(
-                ev,
-                config,
-                &mut assembler,
-                &mut in_stream_block,
-                &mut batch,
+            let mut state = Session {
+                assembler,
+                in_stream_block: &mut in_stream_block,
+                batch: &mut batch,
                 resume,
                 stats,
-                log,
-                &mut stream,
-            )
-            .await?;
+            };
+            handle_event(ev, config, &mut state, log, stream, hooks).await?;
         }
         if stream.status_due(config.status_interval) {
             stream.send_status().await?;
+            crash(hooks, CrashPoint::Acknowledged)?;
         }
         if let Some(progress) = &config.progress {
             let durable = stream.durable();
@@ -408,12 +485,19 @@ struct Batch {
 
 impl Batch {
     /// Appends everything (one fsync), then lets the source position move.
-    fn flush(
+    fn flush<S: Storage>(
         &mut self,
-        log: &Log<FsStorage>,
-        stream: &mut trellara_external_relay::pgwire::ReplicationStream,
+        log: &Log<S>,
+        stream: &mut impl SourceStream,
         stats: &mut CaptureStats,
-    ) -> Result<(), crate::log::Error> {
+        hooks: &dyn CrashHooks,
+    ) -> Result<(), CaptureError> {
+        #[cfg(test)]
+        if mutation::ACK_BEFORE_APPEND.with(std::cell::Cell::get)
+            && let Some(ack) = self.ack.take()
+        {
+            stream.set_durable(ack);
+        }
         if !self.records.is_empty() {
             log.append_batch(
                 self.records
@@ -421,38 +505,58 @@ impl Batch {
                     .map(|(lsn, bytes)| (*lsn, bytes.as_slice())),
             )?;
             stats.envelopes += self.records.len() as u64;
+            self.records.clear();
+            self.bytes = 0;
+            crash(hooks, CrashPoint::AppendedNotAcknowledged)?;
         }
         if let Some(ack) = self.ack.take() {
             stream.set_durable(ack);
         }
-        self.records.clear();
-        self.bytes = 0;
         Ok(())
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn handle_event(
+fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), CaptureError> {
+    if hooks.crash_at(point) {
+        return Err(CaptureError::Crashed(point));
+    }
+    Ok(())
+}
+
+/// A session's state between events.
+struct Session<'a> {
+    assembler: &'a mut Assembler,
+    in_stream_block: &'a mut bool,
+    batch: &'a mut Batch,
+    resume: Resume,
+    stats: &'a mut CaptureStats,
+}
+
+async fn handle_event<S: Storage>(
     event: ReplicationEvent,
     config: &CaptureConfig,
-    assembler: &mut Assembler,
-    in_stream_block: &mut bool,
-    batch: &mut Batch,
-    resume: Resume,
-    stats: &mut CaptureStats,
-    log: &Log<FsStorage>,
-    stream: &mut trellara_external_relay::pgwire::ReplicationStream,
+    state: &mut Session<'_>,
+    log: &Log<S>,
+    stream: &mut impl SourceStream,
+    hooks: &dyn CrashHooks,
 ) -> Result<(), CaptureError> {
+    let Session {
+        assembler,
+        in_stream_block,
+        batch,
+        resume,
+        stats,
+    } = state;
     match event {
         ReplicationEvent::XLogData { start, data, .. } => {
             let ctx = DecodeContext {
                 version: config.proto_version,
-                in_stream_block: *in_stream_block,
+                in_stream_block: **in_stream_block,
             };
             let message = pgoutput::decode(&data, ctx)?;
             match message {
-                Message::StreamStart(_) => *in_stream_block = true,
-                Message::StreamStop => *in_stream_block = false,
+                Message::StreamStart(_) => **in_stream_block = true,
+                Message::StreamStop => **in_stream_block = false,
                 _ => {}
             }
             let mut emit = |env: Envelope| -> Result<(), CaptureError> {
@@ -474,11 +578,12 @@ async fn handle_event(
                 if last_chunk {
                     batch.ack = Some(Lsn(env.end_lsn));
                 }
+                crash(hooks, CrashPoint::ReceivedNotAppended)?;
                 // A large transaction's chunks go to disk as they come, so
                 // memory stays bounded; the source is acknowledged only at
                 // the end of a complete transaction.
                 if batch.bytes >= BATCH_BYTES {
-                    batch.flush(log, stream, stats)?;
+                    batch.flush(log, stream, stats, hooks)?;
                 }
                 Ok(())
             };
@@ -495,8 +600,11 @@ async fn handle_event(
             // Everything up to wal_end was sent and processed; with nothing
             // open here and everything appended, no committed transaction
             // lies below it that is not durable. Record the advance first.
-            batch.flush(log, stream, stats)?;
-            if !assembler.in_transaction() && wal_end > stream.durable() {
+            batch.flush(log, stream, stats, hooks)?;
+            let open = assembler.in_transaction();
+            #[cfg(test)]
+            let open = open && !mutation::KEEPALIVE_IN_TRANSACTION.with(std::cell::Cell::get);
+            if !open && wal_end > stream.durable() {
                 log.commit_cursor(
                     SOURCE_ACK,
                     CursorPosition {
@@ -508,6 +616,7 @@ async fn handle_event(
             }
             if reply_requested {
                 stream.send_status().await?;
+                crash(hooks, CrashPoint::Acknowledged)?;
             }
         }
     }
