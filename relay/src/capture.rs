@@ -333,7 +333,7 @@ async fn session(
         memory_budget: config.memory_budget,
         chunk_bytes: config.chunk_bytes,
         spill_dir: config.log_dir.join("spill-capture"),
-        pinned: config.pinned.clone(),
+        pinned: pinned(config, log)?,
     });
     let stopped_cleanly = stream_changes(
         config,
@@ -352,6 +352,47 @@ async fn session(
         stream.send_status().await?;
         stream.finish().await?;
     }
+    Ok(())
+}
+
+/// The log metadata holding pinned relation fingerprints.
+const PINS: &str = "capture-pins";
+
+/// The fingerprints capture holds relations to: the configured ones and
+/// every one pinned while filling this log (`namespace.name fingerprint`
+/// lines), so schema drift stops every rerun, not only the session that
+/// saw it. A reseed starts a new log and so pins afresh.
+pub(crate) fn pinned<S: Storage>(
+    config: &CaptureConfig,
+    log: &Log<S>,
+) -> Result<HashMap<String, u64>, CaptureError> {
+    let mut pins = config.pinned.clone();
+    let Some(bytes) = log.read_meta(PINS)? else {
+        return Ok(pins);
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        let parsed = line
+            .rsplit_once(' ')
+            .and_then(|(name, hex)| Some((name, u64::from_str_radix(hex, 16).ok()?)));
+        let Some((name, fingerprint)) = parsed else {
+            return Err(CaptureError::Config(format!(
+                "{}/meta/{PINS}: unreadable line {line:?}\nhint: the file holds `namespace.name fingerprint` lines; restore it or reseed the flow",
+                log.dir().display()
+            )));
+        };
+        pins.entry(name.to_owned()).or_insert(fingerprint);
+    }
+    Ok(pins)
+}
+
+fn store_pins<S: Storage>(log: &Log<S>, pins: &HashMap<String, u64>) -> Result<(), CaptureError> {
+    let mut lines: Vec<String> = pins
+        .iter()
+        .map(|(name, fingerprint)| format!("{name} {fingerprint:016x}\n"))
+        .collect();
+    lines.sort();
+    log.write_meta(PINS, lines.concat().as_bytes())?;
     Ok(())
 }
 
@@ -417,6 +458,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
     hooks: &dyn CrashHooks,
 ) -> Result<bool, CaptureError> {
     let mut in_stream_block = false;
+    let mut pins_stored = pinned(config, log)?.len();
     // Group commit: envelopes decoded from data already received are
     // appended together, one fsync for the batch, and acknowledged after it.
     let mut batch = Batch::default();
@@ -453,7 +495,24 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                 resume,
                 stats,
             };
-            handle_event(ev, config, &mut state, log, stream, hooks).await?;
+            let relation = matches!(&ev, ReplicationEvent::XLogData { data, .. } if data.first() == Some(&b'R'));
+            match handle_event(ev, config, &mut state, log, stream, hooks).await {
+                Ok(()) => {}
+                Err(e @ (CaptureError::Assembly(_) | CaptureError::Decode(_))) => {
+                    // Capture stops here (fail closed), but everything
+                    // assembled before the refused message is whole and
+                    // committed: make it durable and say so, or every rerun
+                    // would lose it again at the same place.
+                    batch.flush(log, stream, stats, hooks)?;
+                    stream.send_status().await?;
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
+            }
+            if relation && assembler.pinned().len() > pins_stored {
+                store_pins(log, assembler.pinned())?;
+                pins_stored = assembler.pinned().len();
+            }
         }
         if stream.status_due(config.status_interval) {
             stream.send_status().await?;

@@ -98,19 +98,19 @@ fn chaos_run_prints_the_matrix() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert!(
-        text.contains("SS-01") && text.contains("SS-14") && text.contains("TA-10"),
+        text.contains("SS-01") && text.contains("TA-10") && text.contains("CA-08"),
         "{text}"
     );
     assert!(
         text.contains("invariant:") && text.contains("recovery:"),
         "{text}"
     );
-    assert!(text.contains("24 scenarios, 0 failed"), "{text}");
+    assert!(text.contains("32 scenarios, 0 failed"), "{text}");
 
     let out = trellara(&["chaos", "run", "--seeds", "2", "--format", "json"]);
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(json["failed"], 0);
-    assert_eq!(json["scenarios"].as_array().map(Vec::len), Some(24));
+    assert_eq!(json["scenarios"].as_array().map(Vec::len), Some(32));
     assert_eq!(json["scenarios"][3]["passed"], true);
 
     let out = trellara(&["chaos", "run", "--family", "nope"]);

@@ -103,7 +103,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
     }
     match format {
         Format::Text => println!(
-            "{ran} scenarios, {failed} failed (simulated so far: the source-and-stream and target-apply families)"
+            "{ran} scenarios, {failed} failed (simulated so far: the source-and-stream, target-apply and capture families)"
         ),
         Format::Json => println!(
             "{}",

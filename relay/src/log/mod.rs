@@ -44,6 +44,7 @@ mod cursor;
 mod error;
 mod frame;
 mod index;
+mod meta;
 mod reader;
 mod recovery;
 mod retention;
@@ -484,6 +485,17 @@ impl<S: Storage> Log<S> {
 
     pub fn dir(&self) -> &Path {
         &self.shared.dir
+    }
+
+    /// Durably replaces the metadata blob `name` kept with the log
+    /// (`meta/<name>`).
+    pub fn write_meta(&self, name: &str, bytes: &[u8]) -> Result<(), Error> {
+        meta::write(&self.shared.storage, &self.shared.dir, name, bytes)
+    }
+
+    /// The metadata blob `name`, if one was written.
+    pub fn read_meta(&self, name: &str) -> Result<Option<Vec<u8>>, Error> {
+        meta::read(&self.shared.storage, &self.shared.dir, name)
     }
 
     pub fn segments(&self) -> Vec<SegmentInfo> {

@@ -7,9 +7,10 @@
 //! died, then restarted. Everything random comes from one seed, so a failing
 //! seed replays exactly (`trellara chaos run --seed S --seeds 1`).
 //!
-//! Families so far: [`relay`] (source and stream) and [`apply`] (target
-//! apply, over the in-memory [`target`]). The capture, snapshot and
-//! qualification families are not simulated yet (issue 7).
+//! Families so far: [`relay`] (source and stream), [`apply`] (target
+//! apply, over the in-memory [`target`]) and [`capture`] (the external
+//! relay's pgoutput path). The snapshot and qualification families are not
+//! simulated yet (issue 7).
 //!
 //! [`SCENARIOS`] is the matrix as data for `trellara chaos run` and
 //! `trellara chaos report`: each names the invariant it protects and the
@@ -17,6 +18,7 @@
 //! tests break one ordering rule and watch the matching scenarios fail).
 
 pub(crate) mod apply;
+pub(crate) mod capture;
 pub(crate) mod relay;
 pub(crate) mod target;
 
@@ -24,12 +26,12 @@ use crate::crash::{CrashHooks, CrashPoint};
 use crate::log::LogConfig;
 use crate::log::storage::SimCrash;
 use apply::ApplyFault;
+use capture::CaptureFault;
 use relay::RelayFault;
 use std::cell::Cell;
 use trellara_common::envelope::{
     self, BeforeImage, Boundary, Capture, Change, ColumnSchema, Envelope, Operation,
-    RelationSchema, ReplicaIdentity, RowChange, SourceIdentity, Value, boundary, capture, change,
-    value,
+    RelationSchema, ReplicaIdentity, RowChange, SourceIdentity, Value, boundary, change, value,
 };
 
 /// Crashes at the `nth` time `point` is reached (once).
@@ -202,7 +204,7 @@ fn sim_envelope(
         }),
         origin: String::new(),
         capture: Some(Capture {
-            path: capture::Path::Native as i32,
+            path: envelope::capture::Path::Native as i32,
             server_version_num: 170_009,
             decoder: "trellara/1".into(),
             captured_at_micros: 1_796_000_000_001_000,
@@ -216,6 +218,7 @@ fn sim_envelope(
 enum Simulation {
     Relay(RelayFault),
     Apply(ApplyFault),
+    Capture(CaptureFault),
 }
 
 /// One scenario of the failure matrix: what it simulates, the invariant it
@@ -238,6 +241,9 @@ const SOURCE_RECOVERY: &str =
 const TARGET: &str = "target-apply";
 const TARGET_PROOF: &str = "trellara chaos run --family target-apply";
 const TARGET_RECOVERY: &str = "rerun `trellara run --config trellara.yml`: the applier resumes from its cursor and the checkpoint skips what the target holds; then `trellara verify`";
+const CAPTURE: &str = "capture";
+const CAPTURE_PROOF: &str = "trellara chaos run --family capture";
+const CAPTURE_RECOVERY: &str = "restart `trellara run` (or `trellara relay`): capture resumes from the log's last durable transaction; the slot replays the rest";
 const QUARANTINE_RECOVERY: &str = "fix the cause the quarantine record names (`trellara status --view diagnostics`, `trellara repair plan`), rerun `trellara run`: the quarantined transaction is retried first; then `trellara verify`";
 
 macro_rules! relay_crash {
@@ -250,6 +256,20 @@ macro_rules! relay_crash {
             proof: SOURCE_PROOF,
             recovery: SOURCE_RECOVERY,
             run: Simulation::Relay(RelayFault::Crash(CrashPoint::$point, SimCrash::$mode)),
+        }
+    };
+}
+
+macro_rules! capture {
+    ($id:literal, $fault:expr, $recovery:expr, $sim:literal, $inv:literal) => {
+        Scenario {
+            id: $id,
+            family: CAPTURE,
+            simulation: $sim,
+            invariant: $inv,
+            proof: CAPTURE_PROOF,
+            recovery: $recovery,
+            run: Simulation::Capture($fault),
         }
     };
 }
@@ -268,9 +288,9 @@ macro_rules! target {
     };
 }
 
-/// The matrix as built so far (issue 7: the capture, snapshot and
-/// qualification families come next).
-pub const SCENARIOS: [Scenario; 24] = [
+/// The matrix as built so far (issue 7: the snapshot and qualification
+/// families come next).
+pub const SCENARIOS: [Scenario; 32] = [
     relay_crash!(
         "SS-01",
         ReceivedNotAppended,
@@ -451,6 +471,62 @@ pub const SCENARIOS: [Scenario; 24] = [
         "the log holds a chunk run cut by a relay crash, then the transaction whole",
         "never split: a transaction applies whole or not at all"
     ),
+    capture!(
+        "CA-01",
+        CaptureFault::SchemaDrift,
+        "review the DDL, then `trellara reseed --config trellara.yml` re-pins the relation",
+        "a column added to a captured relation mid-stream; the relay rerun unrepaired",
+        "schema drift stops capture before any row under the new schema, again on every rerun"
+    ),
+    capture!(
+        "CA-02",
+        CaptureFault::UnknownRelation,
+        "check the publication and the source's pgoutput, then restart capture; `trellara reseed` if the relation is new",
+        "a row arrives for a relation whose metadata was never sent",
+        "fail closed: capture stops; everything before it durable, nothing after it"
+    ),
+    capture!(
+        "CA-03",
+        CaptureFault::Crash(CrashPoint::ReceivedNotAppended, SimCrash::TornTail),
+        CAPTURE_RECOVERY,
+        "relay crash before the append while rows, logical messages and re-sent relation metadata mix",
+        "every transaction keeps its boundary, its order and exactly its changes"
+    ),
+    capture!(
+        "CA-04",
+        CaptureFault::Crash(CrashPoint::AppendedNotAcknowledged, SimCrash::LoseUnsynced),
+        CAPTURE_RECOVERY,
+        "streamed transactions interleaved with plain ones; crash after the append, before the ack",
+        "a streamed transaction appears only at its Stream Commit, in commit order, once"
+    ),
+    capture!(
+        "CA-05",
+        CaptureFault::Crash(CrashPoint::Acknowledged, SimCrash::GarbageTail),
+        CAPTURE_RECOVERY,
+        "Stream Abort of whole transactions and of subtransactions; crash after a status reply",
+        "Stream Abort discards only the aborted (sub)transaction"
+    ),
+    capture!(
+        "CA-06",
+        CaptureFault::Crash(CrashPoint::Acknowledged, SimCrash::LoseUnsynced),
+        CAPTURE_RECOVERY,
+        "keepalives inside open transactions and streams, and idle ones; crash after a status reply",
+        "status replies report only the durable position"
+    ),
+    capture!(
+        "CA-07",
+        CaptureFault::Crash(CrashPoint::AppendedNotAcknowledged, SimCrash::TornTail),
+        CAPTURE_RECOVERY,
+        "updates leaving a TOASTed column unchanged; crash and replay",
+        "unchanged TOAST stays marked unchanged, never NULL"
+    ),
+    capture!(
+        "CA-08",
+        CaptureFault::Crash(CrashPoint::ReceivedNotAppended, SimCrash::LoseUnsynced),
+        CAPTURE_RECOVERY,
+        "key-changing updates and deletes; crash and replay",
+        "a key-changing update carries the old key it matches"
+    ),
 ];
 
 /// Runs `scenario` over `seeds` seeds (from `first_seed`): the failing
@@ -461,6 +537,7 @@ pub fn run_scenario(scenario: &Scenario, first_seed: u64, seeds: u64) -> Result<
         faults += match scenario.run {
             Simulation::Relay(fault) => relay::history_with(seed, fault)?.crashes,
             Simulation::Apply(fault) => apply::history(seed, fault)?.faults,
+            Simulation::Capture(fault) => capture::history(seed, fault)?.faults,
         };
     }
     Ok(faults)

@@ -1,0 +1,1148 @@
+//! Capture: the external relay's real streaming loop
+//! ([`capture::stream_changes`]: decode, assemble, group commit, status
+//! replies) over the real log on [`SimStorage`], fed by a simulated
+//! walsender that speaks pgoutput v2 - written with [`pgoutput::encode`],
+//! read by the real decoder - from a seeded source: plain transactions,
+//! streamed transactions interleaved with them (some aborted whole, some
+//! with an aborted subtransaction), transactional and non-transactional
+//! logical messages, unchanged TOAST, key-changing updates, truncates, and
+//! keepalives inside and between transactions.
+//!
+//! The walsender behaves like PostgreSQL's where it matters: a session
+//! starts at `max(requested, confirmed)` and sends every transaction whose
+//! end lies past it (a streamed one from its first segment), sends each
+//! relation's metadata before its first use in the session, and moves the
+//! slot only on a status reply.
+//!
+//! Invariants checked:
+//! - every position offered to the source (`set_durable`) and every status
+//!   reply is at or below what the log holds durably (or recorded as an
+//!   idle advance first);
+//! - at the end the log holds every committed transaction exactly once, in
+//!   commit order, with exactly the changes the source committed (streamed
+//!   ones only at their Stream Commit, aborted ones and aborted
+//!   subtransactions never; unchanged TOAST marked unchanged; the old key
+//!   of a key-changing update);
+//! - schema drift and a row without relation metadata stop capture before
+//!   the transaction, with everything before it durable, and stop it again
+//!   on a rerun.
+
+use super::{CrashOnce, Rng, sim_log_config};
+use crate::capture::{self, CaptureConfig, CaptureError, CaptureStats, SourceStream};
+use crate::crash::CrashPoint;
+use crate::log::Log;
+use crate::log::storage::{SimCrash, SimStorage};
+use bytes::Bytes;
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeSet, VecDeque};
+use std::rc::Rc;
+use std::time::Duration;
+use trellara_common::Lsn;
+use trellara_common::envelope::{
+    self, BeforeImage, LogicalMessage, Operation, RowChange, Value, change, value,
+};
+use trellara_external_relay::pgoutput::{self as pg, Column, Message, ProtoVersion};
+use trellara_external_relay::pgwire::{ReplicationEvent, WireError};
+use trellara_external_relay::{Assembler, AssemblerConfig};
+
+/// What goes wrong in a history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CaptureFault {
+    /// The relay dies at the point (the k-th time); the storage loses what
+    /// `SimCrash` says.
+    Crash(CrashPoint, SimCrash),
+    /// A column is added to the relation mid-stream.
+    SchemaDrift,
+    /// A row arrives for a relation whose metadata was never sent.
+    UnknownRelation,
+}
+
+/// What one simulated history did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct CaptureHistory {
+    pub transactions: usize,
+    pub crashes: u32,
+    pub sessions: u32,
+    pub duplicates_skipped: u64,
+    pub streamed: usize,
+    pub aborted: usize,
+    pub toast: usize,
+    pub key_changes: usize,
+    pub mid_transaction_keepalives: usize,
+    /// Faults that fired (crashes, or the refusal and its rerun).
+    pub faults: u32,
+}
+
+const OID: u32 = 16_385;
+const UNKNOWN_OID: u32 = 99_999;
+
+/// One thing the walsender sends, in WAL order.
+#[derive(Debug, Clone)]
+enum Emission {
+    /// A message of transaction `txn`; `uses` names the relation whose
+    /// metadata must precede it in a session.
+    Data {
+        txn: usize,
+        pos: u64,
+        message: Message,
+        uses: Option<u32>,
+    },
+    /// Not part of any transaction (non-transactional message).
+    Loose {
+        pos: u64,
+        message: Message,
+    },
+    Keepalive {
+        pos: u64,
+        reply: bool,
+    },
+}
+
+/// What the source committed: the log must hold exactly this.
+#[derive(Debug, Clone, PartialEq)]
+struct Committed {
+    commit_lsn: u64,
+    end_lsn: u64,
+    xid: u64,
+    bodies: Vec<change::Body>,
+}
+
+struct Source {
+    emissions: Vec<Emission>,
+    /// End position of every transaction (aborted ones: the abort).
+    ends: Vec<u64>,
+    committed: Vec<Committed>,
+    /// The transaction whose first message must stop capture, if any.
+    refused: Option<usize>,
+    history: CaptureHistory,
+}
+
+fn text_column(s: &str) -> Column {
+    Column::Text(Bytes::copy_from_slice(s.as_bytes()))
+}
+
+fn text_value(s: &str) -> Value {
+    Value {
+        kind: Some(value::Kind::Text(s.to_owned())),
+    }
+}
+
+fn kind_value(kind: value::Kind) -> Value {
+    Value { kind: Some(kind) }
+}
+
+fn relation_message(xid: Option<u32>, extra: bool) -> Message {
+    let column = |name: &str, type_oid, key| pg::RelationColumn {
+        key,
+        name: name.into(),
+        type_oid,
+        type_modifier: -1,
+    };
+    let mut columns = vec![
+        column("id", 20, true),
+        column("note", 25, false),
+        column("doc", 25, false),
+    ];
+    if extra {
+        columns.push(column("extra", 25, false));
+    }
+    Message::Relation(pg::Relation {
+        xid,
+        oid: OID,
+        namespace: "public".into(),
+        name: "sim".into(),
+        replica_identity: b'd',
+        columns,
+    })
+}
+
+fn row_body(op: Operation, before: Vec<Value>, after: Vec<Value>) -> change::Body {
+    let before_kind = if before.is_empty() {
+        BeforeImage::None
+    } else {
+        BeforeImage::Key
+    };
+    change::Body::Row(RowChange {
+        relation_id: OID,
+        operation: op as i32,
+        before_kind: before_kind as i32,
+        before,
+        after,
+        truncate_cascade: false,
+        truncate_restart_identity: false,
+    })
+}
+
+/// The key-only old image as pgoutput sends it, and as it is captured.
+fn old_key(id: u64) -> (Vec<Column>, Vec<Value>) {
+    let absent = || kind_value(value::Kind::Absent(true));
+    (
+        vec![text_column(&id.to_string()), Column::Null, Column::Null],
+        vec![text_value(&id.to_string()), absent(), absent()],
+    )
+}
+
+/// Generates one change of a transaction: the message (with `xid` inside a
+/// stream block) and the body the log must carry.
+struct Changes<'a> {
+    rng: &'a mut Rng,
+    live: &'a mut BTreeSet<u64>,
+    next_id: &'a mut u64,
+    history: &'a mut CaptureHistory,
+}
+
+impl Changes<'_> {
+    fn next(&mut self, xid: Option<u32>) -> (Message, Option<u32>, change::Body) {
+        let roll = self.rng.below(20);
+        let note = format!("n{}", self.rng.below(1000));
+        let existing = self.live.iter().copied().nth(
+            self.rng
+                .below(self.live.len().max(1) as u64)
+                .try_into()
+                .unwrap_or(0),
+        );
+        match (roll, existing) {
+            (0, _) => (
+                Message::Message(pg::LogicalMessage {
+                    xid,
+                    transactional: true,
+                    lsn: 0,
+                    prefix: "sim".into(),
+                    content: Bytes::from(note.clone().into_bytes()),
+                }),
+                None,
+                change::Body::Message(LogicalMessage {
+                    prefix: "sim".into(),
+                    content: note.into_bytes(),
+                }),
+            ),
+            (1, _) => {
+                self.live.clear();
+                (
+                    Message::Truncate(pg::Truncate {
+                        xid,
+                        cascade: false,
+                        restart_identity: false,
+                        relations: vec![OID],
+                    }),
+                    Some(OID),
+                    change::Body::Row(RowChange {
+                        relation_id: OID,
+                        operation: Operation::Truncate as i32,
+                        before_kind: BeforeImage::None as i32,
+                        before: Vec::new(),
+                        after: Vec::new(),
+                        truncate_cascade: false,
+                        truncate_restart_identity: false,
+                    }),
+                )
+            }
+            (2..=5, Some(id)) => {
+                // An update that leaves the TOASTed doc alone.
+                self.history.toast += 1;
+                let new = vec![
+                    text_column(&id.to_string()),
+                    text_column(&note),
+                    Column::UnchangedToast,
+                ];
+                let after = vec![
+                    text_value(&id.to_string()),
+                    text_value(&note),
+                    kind_value(value::Kind::UnchangedToast(true)),
+                ];
+                (
+                    Message::Update(pg::Update {
+                        xid,
+                        relation: OID,
+                        old: None,
+                        new,
+                    }),
+                    Some(OID),
+                    row_body(Operation::Update, Vec::new(), after),
+                )
+            }
+            (6..=8, Some(old)) => {
+                // A key-changing update: located by its old key.
+                self.history.key_changes += 1;
+                let id = *self.next_id;
+                *self.next_id += 1;
+                self.live.remove(&old);
+                self.live.insert(id);
+                let (old_columns, before) = old_key(old);
+                let new = vec![
+                    text_column(&id.to_string()),
+                    text_column(&note),
+                    Column::Null,
+                ];
+                let after = vec![
+                    text_value(&id.to_string()),
+                    text_value(&note),
+                    kind_value(value::Kind::Null(true)),
+                ];
+                (
+                    Message::Update(pg::Update {
+                        xid,
+                        relation: OID,
+                        old: Some((pg::OldKind::Key, old_columns)),
+                        new,
+                    }),
+                    Some(OID),
+                    row_body(Operation::Update, before, after),
+                )
+            }
+            (9..=10, Some(old)) => {
+                self.live.remove(&old);
+                let (old_columns, before) = old_key(old);
+                (
+                    Message::Delete(pg::Delete {
+                        xid,
+                        relation: OID,
+                        old_kind: pg::OldKind::Key,
+                        old: old_columns,
+                    }),
+                    Some(OID),
+                    row_body(Operation::Delete, before, Vec::new()),
+                )
+            }
+            _ => {
+                let id = *self.next_id;
+                *self.next_id += 1;
+                self.live.insert(id);
+                let doc = "d".repeat(self.rng.below(40) as usize);
+                (
+                    Message::Insert(pg::Insert {
+                        xid,
+                        relation: OID,
+                        new: vec![
+                            text_column(&id.to_string()),
+                            text_column(&note),
+                            text_column(&doc),
+                        ],
+                    }),
+                    Some(OID),
+                    row_body(
+                        Operation::Insert,
+                        Vec::new(),
+                        vec![
+                            text_value(&id.to_string()),
+                            text_value(&note),
+                            text_value(&doc),
+                        ],
+                    ),
+                )
+            }
+        }
+    }
+}
+
+/// An open streamed transaction while the source is generated.
+struct OpenStream {
+    txn: usize,
+    xid: u32,
+    bodies: Vec<change::Body>,
+    next_subxid: u32,
+}
+
+/// The seeded source: its WAL (what the walsender sends) and what it
+/// committed.
+fn source(rng: &mut Rng, fault: CaptureFault) -> Source {
+    let mut src = Source {
+        emissions: Vec::new(),
+        ends: Vec::new(),
+        committed: Vec::new(),
+        refused: None,
+        history: CaptureHistory::default(),
+    };
+    let mut live = BTreeSet::new();
+    let mut next_id = 1u64;
+    let mut pos = 0x0300_0000u64;
+    let mut xid = 700u32;
+    let mut open: Vec<OpenStream> = Vec::new();
+    let steps = 12 + rng.below(24);
+    let refuse_at = 2 + rng.below(steps / 2);
+    for step in 0..steps {
+        let roll = rng.below(20);
+        // Drift is drift from a pinned schema: some committed row must have
+        // pinned the relation first (with no pin, the first schema seen is
+        // the pin).
+        let pinned = src
+            .committed
+            .iter()
+            .flat_map(|c| &c.bodies)
+            .any(|b| matches!(b, change::Body::Row(_)));
+        let refuse_here = step >= refuse_at
+            && (pinned || fault == CaptureFault::UnknownRelation)
+            && matches!(
+                fault,
+                CaptureFault::SchemaDrift | CaptureFault::UnknownRelation
+            );
+        if refuse_here || roll < 9 || (open.is_empty() && (14..17).contains(&roll)) {
+            // A plain transaction, sent whole at its commit.
+            xid += 1;
+            let txn = src.ends.len();
+            let commit = pos + 0x200 + rng.below(0x400);
+            let end = commit + 0x28;
+            src.ends.push(end);
+            let push = |src: &mut Source, pos: &mut u64, message, uses| {
+                *pos += 0x10;
+                src.emissions.push(Emission::Data {
+                    txn,
+                    pos: *pos,
+                    message,
+                    uses,
+                });
+            };
+            push(
+                &mut src,
+                &mut pos,
+                Message::Begin(pg::Begin {
+                    final_lsn: commit,
+                    commit_time: 0,
+                    xid,
+                }),
+                None,
+            );
+            if refuse_here {
+                // The last transaction: after ALTER TABLE every row has the
+                // new shape, so a rerun that accepted it would append it.
+                src.refused = Some(txn);
+                let (relation, width) = match fault {
+                    CaptureFault::SchemaDrift => {
+                        push(&mut src, &mut pos, relation_message(None, true), None);
+                        (OID, 4)
+                    }
+                    _ => (UNKNOWN_OID, 3),
+                };
+                let new = (0..width).map(|i| text_column(&i.to_string())).collect();
+                push(
+                    &mut src,
+                    &mut pos,
+                    Message::Insert(pg::Insert {
+                        xid: None,
+                        relation,
+                        new,
+                    }),
+                    None,
+                );
+                pos = pos.max(commit);
+                push(
+                    &mut src,
+                    &mut pos,
+                    Message::Commit(pg::Commit {
+                        flags: 0,
+                        commit_lsn: commit,
+                        end_lsn: end,
+                        commit_time: 0,
+                    }),
+                    None,
+                );
+                pos = pos.max(end);
+                break;
+            }
+            let mut bodies = Vec::new();
+            let mut changes = Changes {
+                rng,
+                live: &mut live,
+                next_id: &mut next_id,
+                history: &mut src.history,
+            };
+            let count = 1 + changes.rng.below(6);
+            let mut generated = Vec::new();
+            for _ in 0..count {
+                generated.push(changes.next(None));
+            }
+            let keepalive_inside = rng.below(3) == 0;
+            for (i, (message, uses, body)) in generated.into_iter().enumerate() {
+                push(&mut src, &mut pos, message, uses);
+                bodies.push(body);
+                if keepalive_inside && i == 0 {
+                    // Sent while decoding; its wal_end is already past the
+                    // commit record.
+                    src.history.mid_transaction_keepalives += 1;
+                    src.emissions.push(Emission::Keepalive {
+                        pos: end,
+                        reply: rng.below(2) == 0,
+                    });
+                }
+            }
+            pos = pos.max(commit);
+            push(
+                &mut src,
+                &mut pos,
+                Message::Commit(pg::Commit {
+                    flags: 0,
+                    commit_lsn: commit,
+                    end_lsn: end,
+                    commit_time: 0,
+                }),
+                None,
+            );
+            pos = pos.max(end);
+            src.committed.push(Committed {
+                commit_lsn: commit,
+                end_lsn: end,
+                xid: u64::from(xid),
+                bodies,
+            });
+        } else if roll < 14 {
+            // A new streamed transaction, or the next segment of one.
+            let index = if open.is_empty() || roll < 11 {
+                xid += 1;
+                src.ends.push(0);
+                src.history.streamed += 1;
+                open.push(OpenStream {
+                    txn: src.ends.len() - 1,
+                    xid,
+                    bodies: Vec::new(),
+                    next_subxid: xid * 100,
+                });
+                open.len() - 1
+            } else {
+                rng.below(open.len() as u64) as usize
+            };
+            let stream = &mut open[index];
+            let first = stream.bodies.is_empty();
+            let abort_sub = !first && rng.below(4) == 0;
+            let subxid = if abort_sub || rng.below(3) == 0 {
+                stream.next_subxid += 1;
+                stream.next_subxid
+            } else {
+                stream.xid
+            };
+            pos += 0x10;
+            src.emissions.push(Emission::Data {
+                txn: stream.txn,
+                pos,
+                message: Message::StreamStart(pg::StreamStart {
+                    xid: stream.xid,
+                    first_segment: first,
+                }),
+                uses: None,
+            });
+            let mut changes = Changes {
+                rng,
+                live: &mut live,
+                next_id: &mut next_id,
+                history: &mut src.history,
+            };
+            let count = 1 + changes.rng.below(5);
+            // An aborted subtransaction's rows must not change what later
+            // rows see: generate them against a scratch copy.
+            let mut scratch = changes.live.clone();
+            let mut scratch_next = *changes.next_id;
+            let mut segment = Vec::new();
+            for _ in 0..count {
+                let generated = if abort_sub {
+                    Changes {
+                        rng: changes.rng,
+                        live: &mut scratch,
+                        next_id: &mut scratch_next,
+                        history: changes.history,
+                    }
+                    .next(Some(subxid))
+                } else {
+                    changes.next(Some(subxid))
+                };
+                segment.push(generated);
+            }
+            if abort_sub {
+                // Keep ids unique across the aborted rows too.
+                next_id = next_id.max(scratch_next);
+            }
+            for (message, uses, body) in segment {
+                pos += 0x10;
+                src.emissions.push(Emission::Data {
+                    txn: stream.txn,
+                    pos,
+                    message,
+                    uses,
+                });
+                if !abort_sub {
+                    stream.bodies.push(body);
+                }
+            }
+            pos += 0x10;
+            src.emissions.push(Emission::Data {
+                txn: stream.txn,
+                pos,
+                message: Message::StreamStop,
+                uses: None,
+            });
+            if abort_sub {
+                src.history.aborted += 1;
+                pos += 0x10;
+                src.emissions.push(Emission::Data {
+                    txn: stream.txn,
+                    pos,
+                    message: Message::StreamAbort(pg::StreamAbort {
+                        xid: stream.xid,
+                        subxid,
+                    }),
+                    uses: None,
+                });
+            }
+            if rng.below(2) == 0 {
+                // Between segments: the stream is open, the slot must stay.
+                pos += 0x10;
+                src.emissions.push(Emission::Keepalive {
+                    pos,
+                    reply: rng.below(2) == 0,
+                });
+            }
+        } else if roll < 17 && !open.is_empty() {
+            // A streamed transaction ends: committed, or aborted whole.
+            let stream = open.remove(rng.below(open.len() as u64) as usize);
+            let commit = pos + 0x100;
+            let end = commit + 0x28;
+            pos = end;
+            if stream.bodies.is_empty() || rng.below(5) == 0 {
+                src.history.aborted += 1;
+                src.ends[stream.txn] = end;
+                src.emissions.push(Emission::Data {
+                    txn: stream.txn,
+                    pos: end,
+                    message: Message::StreamAbort(pg::StreamAbort {
+                        xid: stream.xid,
+                        subxid: stream.xid,
+                    }),
+                    uses: None,
+                });
+            } else {
+                src.ends[stream.txn] = end;
+                src.emissions.push(Emission::Data {
+                    txn: stream.txn,
+                    pos: end,
+                    message: Message::StreamCommit(pg::StreamCommit {
+                        xid: stream.xid,
+                        flags: 0,
+                        commit_lsn: commit,
+                        end_lsn: end,
+                        commit_time: 0,
+                    }),
+                    uses: None,
+                });
+                src.committed.push(Committed {
+                    commit_lsn: commit,
+                    end_lsn: end,
+                    xid: u64::from(stream.xid),
+                    bodies: stream.bodies,
+                });
+            }
+        } else if roll < 19 {
+            pos += 0x40;
+            src.emissions.push(Emission::Loose {
+                pos,
+                message: Message::Message(pg::LogicalMessage {
+                    xid: None,
+                    transactional: false,
+                    lsn: pos,
+                    prefix: "loose".into(),
+                    content: Bytes::from_static(b"x"),
+                }),
+            });
+        } else {
+            // Idle: WAL of other databases moves the position.
+            pos += 0x100;
+            src.emissions.push(Emission::Keepalive {
+                pos,
+                reply: rng.below(2) == 0,
+            });
+        }
+    }
+    // Whatever is still streaming commits at the end (after a refused
+    // transaction nothing more is captured anyway).
+    if src.refused.is_some() {
+        open.clear();
+    }
+    for stream in open.drain(..) {
+        let commit = pos + 0x100;
+        let end = commit + 0x28;
+        pos = end;
+        src.ends[stream.txn] = end;
+        src.emissions.push(Emission::Data {
+            txn: stream.txn,
+            pos: end,
+            message: Message::StreamCommit(pg::StreamCommit {
+                xid: stream.xid,
+                flags: 0,
+                commit_lsn: commit,
+                end_lsn: end,
+                commit_time: 0,
+            }),
+            uses: None,
+        });
+        if stream.bodies.is_empty() {
+            // Nothing left after its aborted subtransactions: an empty
+            // transaction is not sent at all by the server; keep the model
+            // equally empty by dropping it.
+            src.emissions
+                .retain(|e| !matches!(e, Emission::Data { txn, .. } if *txn == stream.txn));
+            continue;
+        }
+        src.committed.push(Committed {
+            commit_lsn: commit,
+            end_lsn: end,
+            xid: u64::from(stream.xid),
+            bodies: stream.bodies,
+        });
+    }
+    src.emissions.push(Emission::Keepalive {
+        pos: pos + 0x100,
+        reply: true,
+    });
+    src.history.transactions = src.committed.len();
+    src
+}
+
+/// The simulated walsender of one session.
+struct Walsender {
+    queue: VecDeque<ReplicationEvent>,
+    durable: Lsn,
+    /// The slot's confirmed position: survives sessions.
+    confirmed: Rc<Cell<u64>>,
+    log: Log<SimStorage>,
+    violations: Rc<RefCell<Vec<String>>>,
+    exhausted: Rc<Cell<bool>>,
+    rng: Rng,
+    status_every: u64,
+    since_status: u64,
+}
+
+impl Walsender {
+    /// Starts a session at `requested`: everything of a transaction ending
+    /// past the start, with relation metadata before each relation's first
+    /// use in this session.
+    fn start(src: &Source, requested: u64, session: Session) -> Walsender {
+        let start = requested.max(session.confirmed.get());
+        let mut queue = VecDeque::new();
+        let mut sent = BTreeSet::new();
+        let mut in_block = false;
+        for emission in &src.emissions {
+            let (pos, message) = match emission {
+                Emission::Data {
+                    txn, pos, message, ..
+                } if src.ends[*txn] > start => (*pos, message.clone()),
+                Emission::Loose { pos, message } if *pos > start => (*pos, message.clone()),
+                Emission::Keepalive { pos, reply } if *pos > start => {
+                    queue.push_back(ReplicationEvent::Keepalive {
+                        wal_end: Lsn(*pos),
+                        reply_requested: *reply,
+                    });
+                    continue;
+                }
+                _ => continue,
+            };
+            match &message {
+                Message::StreamStart(_) => in_block = true,
+                Message::StreamStop => in_block = false,
+                _ => {}
+            }
+            if let Emission::Data {
+                uses: Some(oid), ..
+            } = emission
+                && sent.insert(*oid)
+            {
+                let xid = match (&message, in_block) {
+                    (Message::Insert(m), true) => m.xid,
+                    (Message::Update(m), true) => m.xid,
+                    (Message::Delete(m), true) => m.xid,
+                    (Message::Truncate(m), true) => m.xid,
+                    _ => None,
+                };
+                let relation = relation_message(xid, false);
+                queue.push_back(ReplicationEvent::XLogData {
+                    start: Lsn(pos),
+                    end: Lsn(pos),
+                    data: pg::encode(&relation),
+                });
+            }
+            queue.push_back(ReplicationEvent::XLogData {
+                start: Lsn(pos),
+                end: Lsn(pos),
+                data: pg::encode(&message),
+            });
+        }
+        Walsender {
+            queue,
+            durable: Lsn(start),
+            confirmed: session.confirmed,
+            log: session.log,
+            violations: session.violations,
+            exhausted: session.exhausted,
+            rng: Rng(session.seed),
+            status_every: 3 + session.seed % 5,
+            since_status: 0,
+        }
+    }
+
+    /// The most the log can vouch for: its last complete transaction's end,
+    /// or an idle advance recorded first.
+    fn vouched(&self) -> u64 {
+        crate::capture::read_resume(&self.log).map_or(0, |r| r.ack_lsn.0)
+    }
+}
+
+/// What survives a relay crash, shared with each session's walsender.
+#[derive(Clone)]
+struct Session {
+    seed: u64,
+    confirmed: Rc<Cell<u64>>,
+    log: Log<SimStorage>,
+    violations: Rc<RefCell<Vec<String>>>,
+    exhausted: Rc<Cell<bool>>,
+}
+
+impl SourceStream for Walsender {
+    async fn recv(&mut self) -> Result<Option<ReplicationEvent>, WireError> {
+        // Sometimes nothing more has arrived yet: the relay's group commit
+        // flushes then.
+        if self.rng.below(4) == 0 {
+            tokio::task::yield_now().await;
+        }
+        self.since_status += 1;
+        match self.queue.pop_front() {
+            Some(event) => Ok(Some(event)),
+            None => {
+                self.exhausted.set(true);
+                std::future::pending().await
+            }
+        }
+    }
+
+    fn set_durable(&mut self, lsn: Lsn) {
+        let vouched = self.vouched();
+        if lsn.0 > vouched {
+            self.violations.borrow_mut().push(format!(
+                "the relay offered the source {lsn} while the log vouches only for {}",
+                Lsn(vouched)
+            ));
+        }
+        self.durable = self.durable.max(lsn);
+    }
+
+    fn durable(&self) -> Lsn {
+        self.durable
+    }
+
+    fn status_due(&self, _every: Duration) -> bool {
+        self.since_status >= self.status_every
+    }
+
+    async fn send_status(&mut self) -> Result<(), WireError> {
+        self.since_status = 0;
+        let vouched = self.vouched();
+        if self.durable.0 > vouched {
+            self.violations.borrow_mut().push(format!(
+                "a status reply reported {} flushed while the log vouches only for {}",
+                self.durable,
+                Lsn(vouched)
+            ));
+        }
+        self.confirmed.set(self.confirmed.get().max(self.durable.0));
+        Ok(())
+    }
+}
+
+fn config() -> CaptureConfig {
+    CaptureConfig {
+        source: "postgres://sim@localhost/sim"
+            .parse()
+            .unwrap_or_else(|_| unreachable!("a valid URL")),
+        slot: "sim".into(),
+        publications: vec!["sim".into()],
+        create_slot: false,
+        source_id: "sim".into(),
+        dataset_id: "sim".into(),
+        log_dir: "/log".into(),
+        proto_version: ProtoVersion::V2,
+        memory_budget: 1 << 20,
+        chunk_bytes: 512,
+        status_interval: Duration::from_secs(10),
+        max_backoff: Duration::from_secs(1),
+        pinned: std::collections::HashMap::new(),
+        floor: Lsn::ZERO,
+        progress: None,
+    }
+}
+
+/// The log's transactions: chunk runs joined, runs cut by a crash skipped.
+fn logged(log: &Log<SimStorage>, seed: u64) -> Result<Vec<Committed>, String> {
+    let reader = log
+        .read_from(log.first_offset())
+        .map_err(|e| format!("seed {seed}: read the log: {e}"))?;
+    let mut out: Vec<Committed> = Vec::new();
+    let mut run: Option<(Committed, u32)> = None;
+    for record in reader {
+        let record = record.map_err(|e| format!("seed {seed}: log record: {e}"))?;
+        let env = envelope::decode(&record.payload)
+            .map_err(|e| format!("seed {seed}: log envelope: {e}"))?;
+        let boundary = env.boundary.clone().unwrap_or_default();
+        let bodies: Vec<change::Body> = env.changes.into_iter().filter_map(|c| c.body).collect();
+        if boundary.chunk_index == 0 {
+            run = Some((
+                Committed {
+                    commit_lsn: env.commit_lsn,
+                    end_lsn: env.end_lsn,
+                    xid: env.xid,
+                    bodies: Vec::new(),
+                },
+                0,
+            ));
+        }
+        let Some((txn, next)) = run.as_mut() else {
+            continue;
+        };
+        if txn.commit_lsn != env.commit_lsn || *next != boundary.chunk_index {
+            run = None;
+            continue;
+        }
+        txn.bodies.extend(bodies);
+        *next += 1;
+        if *next >= boundary.chunk_count.max(1)
+            && let Some((txn, _)) = run.take()
+        {
+            out.push(txn);
+        }
+    }
+    Ok(out)
+}
+
+/// Runs one capture history with `fault`. Err names the broken invariant.
+pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, String> {
+    let mut rng = Rng(seed ^ 0x00CA_97E5);
+    let src = source(&mut rng, fault);
+    let mut history = src.history.clone();
+    let storage = SimStorage::new(seed);
+    let (point, mode) = match fault {
+        CaptureFault::Crash(point, mode) => (point, mode),
+        _ => (CrashPoint::Acknowledged, SimCrash::LoseUnsynced),
+    };
+    let hooks = match fault {
+        CaptureFault::Crash(..) => CrashOnce::new(point, 1 + rng.below(4) as u32),
+        _ => CrashOnce::never(),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    let confirmed = Rc::new(Cell::new(0u64));
+    let violations = Rc::new(RefCell::new(Vec::new()));
+    let config = config();
+    let mut refusals = 0;
+    loop {
+        history.sessions += 1;
+        if history.sessions > 6 {
+            return Err(format!("seed {seed}: no progress after 6 sessions"));
+        }
+        let (log, _) = Log::open(storage.clone(), "/log", sim_log_config())
+            .map_err(|e| format!("seed {seed}: reopen the log: {e}"))?;
+        log.register_consumer(capture::SOURCE_ACK)
+            .map_err(|e| format!("seed {seed}: register: {e}"))?;
+        let resume = capture::read_resume(&log).map_err(|e| format!("seed {seed}: resume: {e}"))?;
+        if confirmed.get() > resume.ack_lsn.0 {
+            return Err(format!(
+                "seed {seed}: the slot was confirmed to {} but the log holds only up to {} after a crash at {point:?} ({mode:?})",
+                Lsn(confirmed.get()),
+                resume.ack_lsn
+            ));
+        }
+        let exhausted = Rc::new(Cell::new(false));
+        let session = Session {
+            seed: seed.wrapping_add(u64::from(history.sessions)),
+            confirmed: confirmed.clone(),
+            log: log.clone(),
+            violations: violations.clone(),
+            exhausted: exhausted.clone(),
+        };
+        let mut walsender = Walsender::start(&src, resume.ack_lsn.0, session);
+        let mut assembler = Assembler::new(AssemblerConfig {
+            source: envelope::SourceIdentity {
+                source_id: "sim".into(),
+                dataset_id: "sim".into(),
+                system_identifier: 1,
+                database: "sim".into(),
+                timeline: 1,
+            },
+            server_version_num: 170_009,
+            decoder: "pgoutput/2".into(),
+            memory_budget: config.memory_budget,
+            chunk_bytes: config.chunk_bytes,
+            spill_dir: std::env::temp_dir().join(format!("trellara-sim-capture-{seed}")),
+            pinned: capture::pinned(&config, &log)
+                .map_err(|e| format!("seed {seed}: pins: {e}"))?,
+        });
+        let mut stats = CaptureStats::default();
+        let outcome = runtime.block_on(async {
+            use futures_util::FutureExt;
+            let done = exhausted.clone();
+            let shutdown = async move {
+                while !done.get() {
+                    tokio::task::yield_now().await;
+                }
+            };
+            let shutdown = std::pin::pin!(shutdown.fuse());
+            let result = capture::stream_changes(
+                &config,
+                &log,
+                &mut walsender,
+                &mut assembler,
+                resume,
+                &mut stats,
+                shutdown,
+                &hooks,
+            )
+            .await;
+            if let Ok(true) = result {
+                // As the session does at shutdown: report what is durable.
+                let _ = walsender.send_status().await;
+            }
+            result
+        });
+        history.duplicates_skipped += stats.duplicates_skipped;
+        if let Some(v) = violations.borrow().first() {
+            return Err(format!("seed {seed}: {v} ({fault:?})"));
+        }
+        match outcome {
+            Ok(_) => break,
+            Err(CaptureError::Crashed(_)) => {
+                history.crashes += 1;
+                history.faults += 1;
+                drop(log);
+                storage.crash(mode);
+            }
+            Err(CaptureError::Assembly(e)) if src.refused.is_some() => {
+                let text = e.to_string();
+                let expected = match fault {
+                    CaptureFault::SchemaDrift => "schema drift on public.sim",
+                    _ => "arrived without its Relation message",
+                };
+                if !text.contains(expected) {
+                    return Err(format!(
+                        "seed {seed}: capture stopped with {text:?}, expected {expected:?}"
+                    ));
+                }
+                history.faults += 1;
+                refusals += 1;
+                // An operator reruns without repairing: it must stop again.
+                if refusals == 2 {
+                    break;
+                }
+            }
+            Err(e) => return Err(format!("seed {seed}: capture failed: {e} ({fault:?})")),
+        }
+    }
+    let (log, _) = Log::open(storage.clone(), "/log", sim_log_config())
+        .map_err(|e| format!("seed {seed}: reopen the log: {e}"))?;
+    let got = logged(&log, seed)?;
+    let expected: Vec<&Committed> = match src.refused {
+        Some(txn) => {
+            let limit = src.ends[txn];
+            src.committed.iter().filter(|c| c.end_lsn < limit).collect()
+        }
+        None => src.committed.iter().collect(),
+    };
+    let commits = |v: &mut dyn Iterator<Item = &Committed>| {
+        v.map(|c| Lsn(c.commit_lsn).to_string()).collect::<Vec<_>>()
+    };
+    if got.len() != expected.len() {
+        return Err(format!(
+            "seed {seed}: the log holds {:?}, the source committed {:?} ({fault:?})",
+            commits(&mut got.iter()),
+            commits(&mut expected.iter().copied())
+        ));
+    }
+    for (g, e) in got.iter().zip(&expected) {
+        if g != *e {
+            return Err(format!(
+                "seed {seed}: transaction {} in the log differs from what the source committed ({fault:?}):\n log: {g:?}\n source: {e:?}",
+                Lsn(e.commit_lsn)
+            ));
+        }
+    }
+    if src.refused.is_none() && confirmed.get() < expected.last().map_or(0, |c| c.end_lsn) {
+        return Err(format!(
+            "seed {seed}: the slot ended confirmed at {}, behind the last commit",
+            Lsn(confirmed.get())
+        ));
+    }
+    Ok(history)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::capture::mutation;
+
+    const CRASH: CaptureFault =
+        CaptureFault::Crash(CrashPoint::AppendedNotAcknowledged, SimCrash::LoseUnsynced);
+
+    /// Runs `fault` over 40 seeds with `switch` on and returns the failures.
+    fn failures(
+        switch: &'static std::thread::LocalKey<Cell<bool>>,
+        fault: CaptureFault,
+    ) -> Vec<String> {
+        switch.with(|m| m.set(true));
+        let failed = (0..40u64)
+            .filter_map(|seed| history(seed, fault).err())
+            .collect();
+        switch.with(|m| m.set(false));
+        failed
+    }
+
+    /// The mutation check: offering the source a position before the
+    /// append is caught at once.
+    #[test]
+    fn acknowledging_before_append_is_caught() {
+        let failed = failures(&mutation::ACK_BEFORE_APPEND, CRASH);
+        assert!(
+            failed.len() >= 30 && failed.iter().all(|f| f.contains("vouches only for")),
+            "{failed:?}"
+        );
+    }
+
+    /// The mutation check: advancing on a keepalive inside an open
+    /// transaction moves the slot past a transaction the log does not hold;
+    /// a crash before it is appended loses it for good.
+    #[test]
+    fn keepalive_advance_inside_a_transaction_is_caught() {
+        let failed = failures(
+            &mutation::KEEPALIVE_IN_TRANSACTION,
+            CaptureFault::Crash(CrashPoint::ReceivedNotAppended, SimCrash::LoseUnsynced),
+        );
+        assert!(!failed.is_empty(), "a lost transaction went unnoticed");
+    }
+
+    /// A replayed history is the same history.
+    #[test]
+    fn a_seed_replays_exactly() {
+        for fault in [CRASH, CaptureFault::SchemaDrift] {
+            assert_eq!(history(11, fault), history(11, fault));
+        }
+    }
+
+    /// The source exercises what the scenarios claim.
+    #[test]
+    fn the_source_covers_streams_aborts_toast_key_changes_and_keepalives() {
+        let mut total = CaptureHistory::default();
+        for seed in 0..30 {
+            let h = history(seed, CRASH).unwrap_or_else(|e| panic!("{e}"));
+            total.streamed += h.streamed;
+            total.aborted += h.aborted;
+            total.toast += h.toast;
+            total.key_changes += h.key_changes;
+            total.mid_transaction_keepalives += h.mid_transaction_keepalives;
+            total.duplicates_skipped += h.duplicates_skipped;
+            total.crashes += h.crashes;
+        }
+        assert!(
+            total.streamed >= 30
+                && total.aborted >= 20
+                && total.toast >= 30
+                && total.key_changes >= 30
+                && total.mid_transaction_keepalives >= 20
+                && total.crashes >= 25,
+            "{total:?}"
+        );
+    }
+}
