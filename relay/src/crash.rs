@@ -12,9 +12,12 @@
 //! | `Acknowledged` | source ack sent | ack only after fsync |
 //! | `AppliedNotCommitted` | apply → checkpoint commit | rows and checkpoint in one target transaction |
 //! | `CommittedCursorNotMoved` | checkpoint → log cursor | the checkpoint skips the redelivery |
+//! | `CopyInProgress` | a table's copy transaction open | truncate, rows and progress commit together |
+//! | `TableCopied` | one table copied, the next not started | each table's copy is idempotent |
+//! | `CopiedNotHandedOff` | copy → handoff record | a run not handed off is re-planned |
+//! | `HandedOffNotStreaming` | handoff → stream start | the slot holds the stream from the boundary |
 //!
-//! Still to come with their features: publish → cursor (Kafka transport),
-//! copy → handoff record and handoff → stream start (snapshot simulation).
+//! Still to come with its feature: publish → cursor (Kafka transport).
 
 /// A window where the simulator can stop a process as if it died.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +36,16 @@ pub enum CrashPoint {
     AppliedNotCommitted,
     /// Applier: the target transaction committed, the log cursor not moved.
     CommittedCursorNotMoved,
+    /// Snapshot: a table's copy transaction is open on the target. Reached
+    /// through the simulated target (the process dies mid-COPY), not a hook.
+    CopyInProgress,
+    /// Snapshot: a table's copy committed, the next not started.
+    TableCopied,
+    /// Snapshot: every table copied (state copied), the handoff not recorded.
+    CopiedNotHandedOff,
+    /// Snapshot: the handoff recorded (stream_handoff_ready), the stream not
+    /// started.
+    HandedOffNotStreaming,
 }
 
 pub trait CrashHooks {

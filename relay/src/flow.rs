@@ -181,11 +181,7 @@ pub async fn run_once(
         source,
     })?;
     let current = snapshot::load(&target, &flow.name).await?;
-    let handed_off = matches!(
-        current.as_ref().map(|r| r.state),
-        Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
-    );
-    if !handed_off {
+    if snapshot::needs_snapshot(current.as_ref().map(|r| r.state)) {
         // A new boundary means a new stream: the old log cannot be applied
         // on top of it.
         if log_dir.exists() {

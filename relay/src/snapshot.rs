@@ -19,8 +19,13 @@
 //! * An exported snapshot lives only while its replication session is idle;
 //!   a run interrupted mid-copy cannot resume at the same boundary, so it is
 //!   re-planned (new slot, new boundary) rather than continued at a wrong one.
+//!
+//! The machine ([`run_machine`]) is generic over [`SnapshotIo`]; PostgreSQL
+//! source and target in [`PgSnapshot`], a simulated pair in the
+//! deterministic simulator, which stops it at the named crash points.
 
 use crate::config::{Flow, split_table};
+use crate::crash::{CrashHooks, CrashPoint, NoCrash};
 use crate::state::SnapshotState;
 use futures_util::{SinkExt, StreamExt};
 use std::time::Instant;
@@ -47,6 +52,12 @@ pub enum SnapshotError {
         from: &'static str,
         to: &'static str,
     },
+    /// A simulated source or target failed (simulator only).
+    #[error("simulated failure: {0}")]
+    Simulated(String),
+    /// Only the simulator's crash hooks produce this.
+    #[error("simulated crash at {0:?}")]
+    Crashed(CrashPoint),
 }
 
 /// Where a flow's snapshot stands.
@@ -55,6 +66,121 @@ pub struct RunState {
     pub run_id: i64,
     pub state: SnapshotState,
     pub consistent_lsn: Option<Lsn>,
+}
+
+/// The durable run row of one flow's snapshot machine.
+#[allow(async_fn_in_trait)] // one task; no Send bound needed
+pub trait RunStore {
+    async fn load_run(&mut self) -> Result<Option<RunState>, SnapshotError>;
+    /// Writes `next` unconditionally; [`advance`] checks the machine first.
+    async fn set_state(
+        &mut self,
+        next: SnapshotState,
+        reason: Option<&str>,
+    ) -> Result<(), SnapshotError>;
+}
+
+/// A slot created with an exported snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    pub name: String,
+    /// Transactions committing before it are in the snapshot; from it on,
+    /// in the stream.
+    pub consistent: Lsn,
+    /// The exported snapshot every table is copied at.
+    pub snapshot: String,
+}
+
+/// What the machine does at the source and the target.
+#[allow(async_fn_in_trait)]
+pub trait SnapshotIo: RunStore {
+    /// Creates the flow's publication if missing; its name when it did.
+    async fn ensure_publication(&mut self) -> Result<Option<String>, SnapshotError>;
+    /// Creates the flow's slot exporting a snapshot; true when it first
+    /// dropped one left by an interrupted run (its snapshot died with it).
+    async fn create_slot(&mut self) -> Result<(Slot, bool), SnapshotError>;
+    /// Records a new run at `consistent` in state planned and forgets the
+    /// previous run's copied tables.
+    async fn plan(&mut self, consistent: Lsn) -> Result<(), SnapshotError>;
+    /// Copies `table` at `snapshot`, idempotently: the truncate, the rows
+    /// and the progress row commit in one target transaction.
+    async fn copy_table(&mut self, table: &str, snapshot: &str) -> Result<u64, SnapshotError>;
+    /// Ends the exported snapshot: every table holds its boundary.
+    async fn release_snapshot(&mut self);
+    /// Records the handoff: the checkpoint just below `consistent`, and the
+    /// previous boundary's quarantine records superseded.
+    async fn handoff(&mut self, consistent: Lsn) -> Result<(), SnapshotError>;
+}
+
+/// Whether a flow must (re-)plan a snapshot before streaming: unless its
+/// run was handed off, the stream cannot continue from its boundary.
+pub fn needs_snapshot(current: Option<SnapshotState>) -> bool {
+    #[cfg(test)]
+    if mutation::CONTINUE_INTERRUPTED.with(std::cell::Cell::get) {
+        return current.is_none();
+    }
+    !matches!(
+        current,
+        Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
+    )
+}
+
+/// Test-only switches that break one rule each, for the simulator's
+/// mutation checks.
+#[cfg(test)]
+pub(crate) mod mutation {
+    use std::cell::Cell;
+    thread_local! {
+        /// Continue an interrupted run instead of re-planning it.
+        pub(crate) static CONTINUE_INTERRUPTED: Cell<bool> = const { Cell::new(false) };
+    }
+}
+
+/// Moves the run to `next` if the machine allows it from its current state.
+pub async fn advance<R: RunStore>(
+    store: &mut R,
+    next: SnapshotState,
+    reason: Option<&str>,
+) -> Result<(), SnapshotError> {
+    if let Some(current) = store.load_run().await? {
+        if current.state == next {
+            return Ok(());
+        }
+        if !current.state.may_become(next) {
+            return Err(SnapshotError::Transition {
+                from: current.state.as_str(),
+                to: next.as_str(),
+            });
+        }
+    }
+    store.set_state(next, reason).await
+}
+
+/// The run row of `flow` in the target's `trellara.snapshot_runs`.
+struct PgRunStore<'a> {
+    client: &'a Client,
+    flow: &'a str,
+}
+
+impl RunStore for PgRunStore<'_> {
+    async fn load_run(&mut self) -> Result<Option<RunState>, SnapshotError> {
+        load(self.client, self.flow).await
+    }
+
+    async fn set_state(
+        &mut self,
+        next: SnapshotState,
+        reason: Option<&str>,
+    ) -> Result<(), SnapshotError> {
+        self.client
+            .execute(
+                "UPDATE trellara.snapshot_runs SET state = $2, reason = $3, updated_at = now() WHERE flow = $1",
+                &[&self.flow, &next.as_str(), &reason],
+            )
+            .await
+            .map_err(SnapshotError::Target)?;
+        Ok(())
+    }
 }
 
 pub async fn load(client: &Client, flow: &str) -> Result<Option<RunState>, SnapshotError> {
@@ -81,25 +207,7 @@ pub async fn transition(
     next: SnapshotState,
     reason: Option<&str>,
 ) -> Result<(), SnapshotError> {
-    if let Some(current) = load(client, flow).await? {
-        if current.state == next {
-            return Ok(());
-        }
-        if !current.state.may_become(next) {
-            return Err(SnapshotError::Transition {
-                from: current.state.as_str(),
-                to: next.as_str(),
-            });
-        }
-    }
-    client
-        .execute(
-            "UPDATE trellara.snapshot_runs SET state = $2, reason = $3, updated_at = now() WHERE flow = $1",
-            &[&flow, &next.as_str(), &reason],
-        )
-        .await
-        .map_err(SnapshotError::Target)?;
-    Ok(())
+    advance(&mut PgRunStore { client, flow }, next, reason).await
 }
 
 /// What a snapshot did, for progress and reports.
@@ -119,130 +227,240 @@ pub async fn run(
     target: &Client,
     progress: &mut dyn FnMut(&str),
 ) -> Result<SnapshotReport, SnapshotError> {
-    let slot = flow.slot();
-    let publication = flow.publication();
+    let mut io = PgSnapshot {
+        flow,
+        source_url,
+        source,
+        target,
+        repl: None,
+    };
+    run_machine(&mut io, &flow.tables, progress, &NoCrash).await
+}
+
+fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), SnapshotError> {
+    if hooks.crash_at(point) {
+        return Err(SnapshotError::Crashed(point));
+    }
+    Ok(())
+}
+
+/// The machine from planned to stream_handoff_ready over `io`, stopping at
+/// the crash points `hooks` names (production passes [`NoCrash`]).
+pub(crate) async fn run_machine<I: SnapshotIo>(
+    io: &mut I,
+    tables: &[String],
+    progress: &mut dyn FnMut(&str),
+    hooks: &dyn CrashHooks,
+) -> Result<SnapshotReport, SnapshotError> {
     // Publication first: the slot's stream is filtered by it.
-    let exists: bool = source
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)",
-            &[&publication],
-        )
+    if let Some(publication) = io.ensure_publication().await? {
+        progress(&format!("created publication {publication}"));
+    }
+    let (slot, dropped) = io.create_slot().await?;
+    if dropped {
+        progress(&format!(
+            "dropped slot {} of an interrupted snapshot run",
+            slot.name
+        ));
+    }
+    io.plan(slot.consistent).await?;
+    advance(io, SnapshotState::Copying, None).await?;
+    progress(&format!(
+        "slot {} created; consistent LSN {}, copying at exported snapshot {}",
+        slot.name, slot.consistent, slot.snapshot
+    ));
+    let mut report = SnapshotReport {
+        consistent_lsn: slot.consistent,
+        tables: Vec::new(),
+    };
+    for table in tables {
+        let started = Instant::now();
+        let rows = io.copy_table(table, &slot.snapshot).await?;
+        progress(&format!(
+            "copied {table}: {rows} rows in {:.1}s",
+            started.elapsed().as_secs_f64()
+        ));
+        report.tables.push((table.clone(), rows));
+        crash(hooks, CrashPoint::TableCopied)?;
+    }
+    io.release_snapshot().await;
+    advance(io, SnapshotState::Copied, None).await?;
+    crash(hooks, CrashPoint::CopiedNotHandedOff)?;
+    io.handoff(slot.consistent).await?;
+    advance(io, SnapshotState::StreamHandoffReady, None).await?;
+    crash(hooks, CrashPoint::HandedOffNotStreaming)?;
+    Ok(report)
+}
+
+/// A flow's snapshot between a PostgreSQL source and target.
+pub struct PgSnapshot<'a> {
+    flow: &'a Flow,
+    source_url: &'a str,
+    source: &'a Client,
+    target: &'a Client,
+    /// The replication session whose exported snapshot the copy uses.
+    repl: Option<Connection>,
+}
+
+impl std::fmt::Debug for PgSnapshot<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgSnapshot")
+            .field("flow", &self.flow.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RunStore for PgSnapshot<'_> {
+    async fn load_run(&mut self) -> Result<Option<RunState>, SnapshotError> {
+        load(self.target, &self.flow.name).await
+    }
+
+    async fn set_state(
+        &mut self,
+        next: SnapshotState,
+        reason: Option<&str>,
+    ) -> Result<(), SnapshotError> {
+        PgRunStore {
+            client: self.target,
+            flow: &self.flow.name,
+        }
+        .set_state(next, reason)
         .await
-        .map_err(SnapshotError::Source)?
-        .get(0);
-    if !exists {
-        let tables: Vec<String> = flow
+    }
+}
+
+impl SnapshotIo for PgSnapshot<'_> {
+    async fn ensure_publication(&mut self) -> Result<Option<String>, SnapshotError> {
+        let publication = self.flow.publication();
+        let exists: bool = self
+            .source
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)",
+                &[&publication],
+            )
+            .await
+            .map_err(SnapshotError::Source)?
+            .get(0);
+        if exists {
+            return Ok(None);
+        }
+        let tables: Vec<String> = self
+            .flow
             .tables
             .iter()
             .filter_map(|t| split_table(t).map(|(s, n)| format!("\"{s}\".\"{n}\"")))
             .collect();
-        source
+        self.source
             .batch_execute(&format!(
                 "CREATE PUBLICATION {publication} FOR TABLE {}",
                 tables.join(", ")
             ))
             .await
             .map_err(SnapshotError::Source)?;
-        progress(&format!("created publication {publication}"));
+        Ok(Some(publication))
     }
 
-    let mut options: ConnectOptions = source_url.parse()?;
-    options.replication = true;
-    let mut repl = Connection::connect(&options).await?;
-    if repl.slot_info(&slot).await?.is_some() {
+    async fn create_slot(&mut self) -> Result<(Slot, bool), SnapshotError> {
+        let name = self.flow.slot();
+        let mut options: ConnectOptions = self.source_url.parse()?;
+        options.replication = true;
+        let mut repl = Connection::connect(&options).await?;
         // Left by an interrupted run: its snapshot is gone with its session.
-        repl.drop_slot(&slot).await?;
-        progress(&format!(
-            "dropped slot {slot} of an interrupted snapshot run"
-        ));
+        let dropped = repl.slot_info(&name).await?.is_some();
+        if dropped {
+            repl.drop_slot(&name).await?;
+        }
+        let plugin = match self.flow.capture {
+            crate::config::CapturePath::Native => "trellara",
+            crate::config::CapturePath::External => "pgoutput",
+        };
+        let created = repl
+            .create_logical_slot_for(&name, plugin, true, false)
+            .await?;
+        let snapshot = created
+            .snapshot_name
+            .clone()
+            .ok_or_else(|| SnapshotError::Table {
+                table: "-".into(),
+                problem: "the server exported no snapshot".into(),
+                hint: "the slot must be created outside a transaction on a primary".into(),
+            })?;
+        // The exported snapshot lives while this session stays idle.
+        self.repl = Some(repl);
+        Ok((
+            Slot {
+                name,
+                consistent: created.consistent_point,
+                snapshot,
+            },
+            dropped,
+        ))
     }
-    let plugin = match flow.capture {
-        crate::config::CapturePath::Native => "trellara",
-        crate::config::CapturePath::External => "pgoutput",
-    };
-    let created = repl
-        .create_logical_slot_for(&slot, plugin, true, false)
-        .await?;
-    let snapshot = created
-        .snapshot_name
-        .clone()
-        .ok_or_else(|| SnapshotError::Table {
-            table: "-".into(),
-            problem: "the server exported no snapshot".into(),
-            hint: "the slot must be created outside a transaction on a primary".into(),
-        })?;
-    let consistent = created.consistent_point;
-    target
-        .execute(
-            "INSERT INTO trellara.snapshot_runs AS r (flow, run_id, state, consistent_lsn)
-             VALUES ($1, 1, 'planned', $2::text::pg_lsn)
-             ON CONFLICT (flow) DO UPDATE SET run_id = r.run_id + 1, state = 'planned',
-                consistent_lsn = EXCLUDED.consistent_lsn, reason = NULL, started_at = now(), updated_at = now()",
-            &[&flow.name, &consistent.to_string()],
-        )
-        .await
-        .map_err(SnapshotError::Target)?;
-    target
-        .execute(
-            "DELETE FROM trellara.snapshot_tables WHERE flow = $1",
-            &[&flow.name],
-        )
-        .await
-        .map_err(SnapshotError::Target)?;
-    transition(target, &flow.name, SnapshotState::Copying, None).await?;
-    progress(&format!(
-        "slot {slot} created; consistent LSN {consistent}, copying at exported snapshot {snapshot}"
-    ));
 
-    let mut report = SnapshotReport {
-        consistent_lsn: consistent,
-        tables: Vec::new(),
-    };
-    for table in &flow.tables {
-        let started = Instant::now();
-        let rows = copy_table(table, &snapshot, source, target, &flow.name).await?;
-        progress(&format!(
-            "copied {table}: {rows} rows in {:.1}s",
-            started.elapsed().as_secs_f64()
-        ));
-        report.tables.push((table.clone(), rows));
+    async fn plan(&mut self, consistent: Lsn) -> Result<(), SnapshotError> {
+        self.target
+            .execute(
+                "INSERT INTO trellara.snapshot_runs AS r (flow, run_id, state, consistent_lsn)
+                 VALUES ($1, 1, 'planned', $2::text::pg_lsn)
+                 ON CONFLICT (flow) DO UPDATE SET run_id = r.run_id + 1, state = 'planned',
+                    consistent_lsn = EXCLUDED.consistent_lsn, reason = NULL, started_at = now(), updated_at = now()",
+                &[&self.flow.name, &consistent.to_string()],
+            )
+            .await
+            .map_err(SnapshotError::Target)?;
+        self.target
+            .execute(
+                "DELETE FROM trellara.snapshot_tables WHERE flow = $1",
+                &[&self.flow.name],
+            )
+            .await
+            .map_err(SnapshotError::Target)?;
+        Ok(())
     }
-    // The exported snapshot may end now: every table holds its boundary.
-    drop(repl);
-    transition(target, &flow.name, SnapshotState::Copied, None).await?;
-    // Handoff: the snapshot holds every transaction that committed before
-    // the consistent point; one whose commit record starts exactly at it is
-    // not in the snapshot and is streamed. The applier skips commits at or
-    // below the checkpoint, so the checkpoint sits just below the boundary.
-    let below = Lsn(consistent.0.saturating_sub(1));
-    target
-        .execute(
-            "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid)
-             VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, 0)
-             ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
-                commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = 0,
-                transactions = 0, duplicates_skipped = 0, updated_at = now()",
-            &[
-                &flow.name,
-                &flow.source_id(),
-                &below.to_string(),
-                &consistent.to_string(),
-            ],
-        )
-        .await
-        .map_err(SnapshotError::Target)?;
-    // Quarantined transactions of the previous boundary are superseded by
-    // this copy.
-    target
-        .execute(
-            "UPDATE trellara.quarantine SET resolved_at = now(), reason = reason || ' (superseded by a new snapshot)'
-             WHERE flow = $1 AND resolved_at IS NULL",
-            &[&flow.name],
-        )
-        .await
-        .map_err(SnapshotError::Target)?;
-    transition(target, &flow.name, SnapshotState::StreamHandoffReady, None).await?;
-    Ok(report)
+
+    async fn copy_table(&mut self, table: &str, snapshot: &str) -> Result<u64, SnapshotError> {
+        copy_table(table, snapshot, self.source, self.target, &self.flow.name).await
+    }
+
+    async fn release_snapshot(&mut self) {
+        self.repl = None;
+    }
+
+    async fn handoff(&mut self, consistent: Lsn) -> Result<(), SnapshotError> {
+        // The snapshot holds every transaction that committed before the
+        // consistent point; one whose commit record starts exactly at it is
+        // not in the snapshot and is streamed. The applier skips commits at
+        // or below the checkpoint, so the checkpoint sits just below the
+        // boundary.
+        let below = Lsn(consistent.0.saturating_sub(1));
+        self.target
+            .execute(
+                "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid)
+                 VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, 0)
+                 ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
+                    commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = 0,
+                    transactions = 0, duplicates_skipped = 0, updated_at = now()",
+                &[
+                    &self.flow.name,
+                    &self.flow.source_id(),
+                    &below.to_string(),
+                    &consistent.to_string(),
+                ],
+            )
+            .await
+            .map_err(SnapshotError::Target)?;
+        // Quarantined transactions of the previous boundary are superseded
+        // by this copy.
+        self.target
+            .execute(
+                "UPDATE trellara.quarantine SET resolved_at = now(), reason = reason || ' (superseded by a new snapshot)'
+                 WHERE flow = $1 AND resolved_at IS NULL",
+                &[&self.flow.name],
+            )
+            .await
+            .map_err(SnapshotError::Target)?;
+        Ok(())
+    }
 }
 
 /// Copies one table at the exported snapshot, idempotently.

@@ -98,24 +98,40 @@ fn chaos_run_prints_the_matrix() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert!(
-        text.contains("SS-01") && text.contains("TA-10") && text.contains("CA-08"),
+        text.contains("SS-01")
+            && text.contains("TA-10")
+            && text.contains("CA-08")
+            && text.contains("SN-09"),
         "{text}"
     );
     assert!(
         text.contains("invariant:") && text.contains("recovery:"),
         "{text}"
     );
-    assert!(text.contains("32 scenarios, 0 failed"), "{text}");
+    assert!(text.contains("41 scenarios, 0 failed"), "{text}");
+    assert!(
+        text.contains("qualification: qualified: every invariant held"),
+        "{text}"
+    );
 
     let out = trellara(&["chaos", "run", "--seeds", "2", "--format", "json"]);
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(json["failed"], 0);
-    assert_eq!(json["scenarios"].as_array().map(Vec::len), Some(32));
+    assert_eq!(json["scenarios"].as_array().map(Vec::len), Some(41));
+    assert_eq!(json["qualified"], true);
     assert_eq!(json["scenarios"][3]["passed"], true);
 
     let out = trellara(&["chaos", "run", "--family", "nope"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("source-and-stream"));
+    // One family is not a qualification.
+    let out = trellara(&["chaos", "run", "--family", "snapshot", "--seeds", "2"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("not a qualification run"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let dir = tempfile::tempdir().expect("tempdir");
     let page = dir.path().join("r.html");
     let out = trellara(&[

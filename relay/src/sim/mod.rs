@@ -7,10 +7,11 @@
 //! died, then restarted. Everything random comes from one seed, so a failing
 //! seed replays exactly (`trellara chaos run --seed S --seeds 1`).
 //!
-//! Families so far: [`relay`] (source and stream), [`apply`] (target
-//! apply, over the in-memory [`target`]) and [`capture`] (the external
-//! relay's pgoutput path). The snapshot and qualification families are not
-//! simulated yet (issue 7).
+//! Families: [`relay`] (source and stream), [`apply`] (target apply, over
+//! the in-memory [`target`]), [`capture`] (the external relay's pgoutput
+//! path) and [`snapshot`] (snapshot and handoff). Qualification is not a
+//! simulation but the verdict over all of them (`chaos run`, `chaos
+//! report`).
 //!
 //! [`SCENARIOS`] is the matrix as data for `trellara chaos run` and
 //! `trellara chaos report`: each names the invariant it protects and the
@@ -20,6 +21,7 @@
 pub(crate) mod apply;
 pub(crate) mod capture;
 pub(crate) mod relay;
+pub(crate) mod snapshot;
 pub(crate) mod target;
 
 use crate::crash::{CrashHooks, CrashPoint};
@@ -28,6 +30,7 @@ use crate::log::storage::SimCrash;
 use apply::ApplyFault;
 use capture::CaptureFault;
 use relay::RelayFault;
+use snapshot::SnapshotFault;
 use std::cell::Cell;
 use trellara_common::envelope::{
     self, BeforeImage, Boundary, Capture, Change, ColumnSchema, Envelope, Operation,
@@ -219,6 +222,7 @@ enum Simulation {
     Relay(RelayFault),
     Apply(ApplyFault),
     Capture(CaptureFault),
+    Snapshot(SnapshotFault),
 }
 
 /// One scenario of the failure matrix: what it simulates, the invariant it
@@ -244,6 +248,9 @@ const TARGET_RECOVERY: &str = "rerun `trellara run --config trellara.yml`: the a
 const CAPTURE: &str = "capture";
 const CAPTURE_PROOF: &str = "trellara chaos run --family capture";
 const CAPTURE_RECOVERY: &str = "restart `trellara run` (or `trellara relay`): capture resumes from the log's last durable transaction; the slot replays the rest";
+const SNAPSHOT: &str = "snapshot";
+const SNAPSHOT_PROOF: &str = "trellara chaos run --family snapshot";
+const SNAPSHOT_RECOVERY: &str = "rerun `trellara run --config trellara.yml`: a run not handed off is re-planned (new slot, new boundary), a handed-off one streams on from its slot; then `trellara verify`";
 const QUARANTINE_RECOVERY: &str = "fix the cause the quarantine record names (`trellara status --view diagnostics`, `trellara repair plan`), rerun `trellara run`: the quarantined transaction is retried first; then `trellara verify`";
 
 macro_rules! relay_crash {
@@ -274,6 +281,20 @@ macro_rules! capture {
     };
 }
 
+macro_rules! snapshot {
+    ($id:literal, $fault:expr, $recovery:expr, $sim:literal, $inv:literal) => {
+        Scenario {
+            id: $id,
+            family: SNAPSHOT,
+            simulation: $sim,
+            invariant: $inv,
+            proof: SNAPSHOT_PROOF,
+            recovery: $recovery,
+            run: Simulation::Snapshot($fault),
+        }
+    };
+}
+
 macro_rules! target {
     ($id:literal, $fault:expr, $recovery:expr, $sim:literal, $inv:literal) => {
         Scenario {
@@ -288,9 +309,8 @@ macro_rules! target {
     };
 }
 
-/// The matrix as built so far (issue 7: the snapshot and qualification
-/// families come next).
-pub const SCENARIOS: [Scenario; 32] = [
+/// The matrix as built so far.
+pub const SCENARIOS: [Scenario; 41] = [
     relay_crash!(
         "SS-01",
         ReceivedNotAppended,
@@ -527,6 +547,69 @@ pub const SCENARIOS: [Scenario; 32] = [
         "key-changing updates and deletes; crash and replay",
         "a key-changing update carries the old key it matches"
     ),
+    snapshot!(
+        "SN-01",
+        SnapshotFault::Writes,
+        SNAPSHOT_RECOVERY,
+        "the source keeps writing while every table is copied",
+        "the copy uses the exported snapshot's boundary: no gap, no duplicate at the handoff"
+    ),
+    snapshot!(
+        "SN-02",
+        SnapshotFault::Crash(CrashPoint::CopyInProgress),
+        SNAPSHOT_RECOVERY,
+        "relay crash in the middle of a table's copy",
+        "an incomplete copy is redone from a new boundary, never continued at a wrong one"
+    ),
+    snapshot!(
+        "SN-03",
+        SnapshotFault::SourceFails,
+        SNAPSHOT_RECOVERY,
+        "the source's COPY fails mid-table",
+        "an incomplete copy is redone from a new boundary, never continued at a wrong one"
+    ),
+    snapshot!(
+        "SN-04",
+        SnapshotFault::TargetFails,
+        SNAPSHOT_RECOVERY,
+        "the target loses the COMMIT of a table's copy (committed or not)",
+        "a table's copy is idempotent: truncate, rows and progress commit together"
+    ),
+    snapshot!(
+        "SN-05",
+        SnapshotFault::Crash(CrashPoint::TableCopied),
+        SNAPSHOT_RECOVERY,
+        "crash after a table's copy committed; the run copies it again",
+        "duplicate copy attempts never double a row"
+    ),
+    snapshot!(
+        "SN-06",
+        SnapshotFault::Crash(CrashPoint::CopiedNotHandedOff),
+        SNAPSHOT_RECOVERY,
+        "crash after the copy, before the handoff record",
+        "a run not handed off is re-planned; streaming never starts without a handoff"
+    ),
+    snapshot!(
+        "SN-07",
+        SnapshotFault::Crash(CrashPoint::HandedOffNotStreaming),
+        SNAPSHOT_RECOVERY,
+        "crash after the handoff record, before the stream starts",
+        "the handoff is recorded before the stream starts; the slot holds it from the boundary"
+    ),
+    snapshot!(
+        "SN-08",
+        SnapshotFault::Ddl,
+        "add the column on the target (the error names it), rerun `trellara run`; then `trellara verify`",
+        "a column added to a source table during the run",
+        "DDL during the copy fails closed until the target has the column"
+    ),
+    snapshot!(
+        "SN-09",
+        SnapshotFault::Backward,
+        "none needed: the stale process's move is refused; `trellara status` shows the run",
+        "a stale process tries to move the handed-off run back to copying, planned or copied",
+        "the state machine refuses unsafe backward transitions"
+    ),
 ];
 
 /// Runs `scenario` over `seeds` seeds (from `first_seed`): the failing
@@ -538,14 +621,49 @@ pub fn run_scenario(scenario: &Scenario, first_seed: u64, seeds: u64) -> Result<
             Simulation::Relay(fault) => relay::history_with(seed, fault)?.crashes,
             Simulation::Apply(fault) => apply::history(seed, fault)?.faults,
             Simulation::Capture(fault) => capture::history(seed, fault)?.faults,
+            Simulation::Snapshot(fault) => snapshot::history(seed, fault)?.faults,
         };
     }
     Ok(faults)
 }
 
+/// Qualification: a run qualifies a build only when every scenario of the
+/// matrix ran over at least one seed and every invariant held. Computed
+/// from the results, never configured: there is no switch that says
+/// "qualified".
+pub fn qualified(results: &[(&Scenario, Result<u32, String>)]) -> bool {
+    SCENARIOS
+        .iter()
+        .all(|s| results.iter().any(|(r, _)| r.id == s.id))
+        && results.iter().all(|(_, r)| r.is_ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn run_all(seeds: u64) -> Vec<(&'static Scenario, Result<u32, String>)> {
+        SCENARIOS
+            .iter()
+            .map(|s| (s, run_scenario(s, 0, seeds)))
+            .collect()
+    }
+
+    /// The verdict follows the results: the whole matrix holding qualifies;
+    /// one broken ordering rule, or a partial run, does not.
+    #[test]
+    fn qualification_is_computed_from_the_runs() {
+        assert!(qualified(&run_all(3)));
+        crate::native::mutation::ACK_BEFORE_APPEND.with(|m| m.set(true));
+        let broken = run_all(3);
+        crate::native::mutation::ACK_BEFORE_APPEND.with(|m| m.set(false));
+        assert!(!qualified(&broken));
+        let partial: Vec<_> = run_all(1)
+            .into_iter()
+            .filter(|(s, _)| s.family == TARGET)
+            .collect();
+        assert!(!qualified(&partial));
+    }
 
     /// Every scenario of the matrix holds over 30 seeds, and its fault
     /// actually happens in most histories.

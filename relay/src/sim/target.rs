@@ -7,6 +7,7 @@
 //! have observed at each commit.
 
 use crate::apply::{QuarantineRecord, Refusal, Settle, Target, TargetError, postgres::text_of};
+use crate::state::SnapshotState;
 use std::collections::BTreeMap;
 use trellara_common::Lsn;
 use trellara_common::envelope::{BeforeImage, Operation, RelationSchema, RowChange, value};
@@ -38,6 +39,13 @@ pub(crate) struct Db {
     pub quarantine: BTreeMap<Lsn, QuarantineRow>,
     /// A check constraint on every table: `note` at most this many bytes.
     pub max_note: Option<usize>,
+    /// Column names by table, where the simulation tracks them: a row
+    /// naming a column its table lacks is refused (schema contract).
+    pub columns: BTreeMap<String, Vec<String>>,
+    /// `trellara.snapshot_runs`: (run id, state, consistent LSN).
+    pub run: Option<(i64, SnapshotState, Lsn)>,
+    /// `trellara.snapshot_tables`: rows copied by table.
+    pub copied: BTreeMap<String, u64>,
 }
 
 /// Seeded target faults, each once, at the n-th call.
@@ -123,10 +131,28 @@ impl SimTarget {
 
     fn table(&mut self, relation: &RelationSchema) -> Result<&mut Table, Refusal> {
         let name = table_name(relation);
-        self.open()?
-            .tables
+        let db = self.open()?;
+        if let Some(columns) = db.columns.get(&name)
+            && let Some(missing) = relation.columns.iter().find(|c| !columns.contains(&c.name))
+        {
+            return Err(data(crate::apply::missing_column(relation, &missing.name)));
+        }
+        db.tables
             .get_mut(&name)
             .ok_or_else(|| data(crate::apply::missing_table(relation)))
+    }
+
+    /// Opens a transaction outside the applier (the snapshot copy).
+    pub fn begin_copy(&mut self) -> &mut Db {
+        self.open.insert(self.committed.clone())
+    }
+
+    /// Commits the transaction `begin_copy` opened.
+    pub fn commit_copy(&mut self) {
+        if let Some(db) = self.open.take() {
+            self.committed = db;
+            self.observed.push(self.committed.clone());
+        }
     }
 }
 
