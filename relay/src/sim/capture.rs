@@ -55,6 +55,9 @@ pub(crate) enum CaptureFault {
     SchemaDrift,
     /// A row arrives for a relation whose metadata was never sent.
     UnknownRelation,
+    /// The source fails over in the ack window: the session drops, and the
+    /// new primary's synced slot lags what the relay acknowledged.
+    Failover,
 }
 
 /// What one simulated history did.
@@ -706,6 +709,11 @@ struct Walsender {
     rng: Rng,
     status_every: u64,
     since_status: u64,
+    /// Events left before the session drops (a failover), once a history.
+    drop_after: Option<u64>,
+    /// Every confirmed position, oldest first: a failover's synced slot
+    /// is one of them.
+    confirmed_history: Rc<RefCell<Vec<u64>>>,
 }
 
 impl Walsender {
@@ -772,6 +780,8 @@ impl Walsender {
             rng: Rng(session.seed),
             status_every: 3 + session.seed % 5,
             since_status: 0,
+            drop_after: session.drop_after,
+            confirmed_history: session.confirmed_history,
         }
     }
 
@@ -790,6 +800,8 @@ struct Session {
     log: Log<SimStorage>,
     violations: Rc<RefCell<Vec<String>>>,
     exhausted: Rc<Cell<bool>>,
+    drop_after: Option<u64>,
+    confirmed_history: Rc<RefCell<Vec<u64>>>,
 }
 
 impl SourceStream for Walsender {
@@ -800,6 +812,12 @@ impl SourceStream for Walsender {
             tokio::task::yield_now().await;
         }
         self.since_status += 1;
+        if let Some(left) = self.drop_after.as_mut() {
+            if *left == 0 {
+                return Err(WireError::Closed);
+            }
+            *left -= 1;
+        }
         match self.queue.pop_front() {
             Some(event) => Ok(Some(event)),
             None => {
@@ -839,6 +857,9 @@ impl SourceStream for Walsender {
             ));
         }
         self.confirmed.set(self.confirmed.get().max(self.durable.0));
+        self.confirmed_history
+            .borrow_mut()
+            .push(self.confirmed.get());
         Ok(())
     }
 }
@@ -927,6 +948,9 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
         .build()
         .map_err(|e| format!("runtime: {e}"))?;
     let confirmed = Rc::new(Cell::new(0u64));
+    let confirmed_history = Rc::new(RefCell::new(Vec::new()));
+    let drop_after = 5 + rng.below(40);
+    let lag = 1 + rng.below(3) as usize;
     let violations = Rc::new(RefCell::new(Vec::new()));
     let config = config();
     let mut refusals = 0;
@@ -954,6 +978,9 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
             log: log.clone(),
             violations: violations.clone(),
             exhausted: exhausted.clone(),
+            drop_after: (fault == CaptureFault::Failover && history.faults == 0)
+                .then_some(drop_after),
+            confirmed_history: confirmed_history.clone(),
         };
         let mut walsender = Walsender::start(&src, resume.ack_lsn.0, session);
         let mut assembler = Assembler::new(AssemblerConfig {
@@ -1010,6 +1037,19 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
                 history.faults += 1;
                 drop(log);
                 storage.crash(mode);
+            }
+            Err(CaptureError::Wire(WireError::Closed)) if fault == CaptureFault::Failover => {
+                // The relay reconnects to the promoted standby, whose slot
+                // was synced a few status replies ago.
+                history.faults += 1;
+                let synced = {
+                    let seen = confirmed_history.borrow();
+                    seen.len()
+                        .checked_sub(lag + 1)
+                        .and_then(|i| seen.get(i).copied())
+                        .unwrap_or(0)
+                };
+                confirmed.set(synced);
             }
             Err(CaptureError::Assembly(e)) if src.refused.is_some() => {
                 let text = e.to_string();

@@ -310,7 +310,7 @@ macro_rules! target {
 }
 
 /// The matrix as built so far.
-pub const SCENARIOS: [Scenario; 41] = [
+pub const SCENARIOS: [Scenario; 42] = [
     relay_crash!(
         "SS-01",
         ReceivedNotAppended,
@@ -546,6 +546,13 @@ pub const SCENARIOS: [Scenario; 41] = [
         CAPTURE_RECOVERY,
         "key-changing updates and deletes; crash and replay",
         "a key-changing update carries the old key it matches"
+    ),
+    capture!(
+        "CA-09",
+        CaptureFault::Failover,
+        "point the flow at the new primary and restart capture: it resumes from the log's durable position",
+        "the source fails over in the ack window: the session drops, the promoted standby's synced slot lags the acknowledged position",
+        "no gap and no duplicate across a source failover"
     ),
     snapshot!(
         "SN-01",
