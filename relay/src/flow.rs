@@ -152,6 +152,41 @@ pub async fn request_reseed(flow: &Flow, index: usize, reason: &str) -> Result<(
     Ok(())
 }
 
+/// Watches the target while the flow applies (`trellara semantics`): runs
+/// beside capture and apply on the same log until `applied` turns true.
+#[allow(async_fn_in_trait)] // one task; no Send bound needed
+pub trait Watch {
+    async fn watch(
+        &mut self,
+        log: &Log<FsStorage>,
+        applied: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<(), FlowError>;
+}
+
+/// No watcher: a plain run.
+#[derive(Debug)]
+pub struct NoWatch;
+
+impl Watch for NoWatch {
+    async fn watch(
+        &mut self,
+        _: &Log<FsStorage>,
+        _: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<(), FlowError> {
+        Ok(())
+    }
+}
+
+/// How long a run goes on, and who watches it.
+#[derive(Debug)]
+pub struct RunOptions<'a, W: Watch> {
+    /// Keep following until SIGTERM or Ctrl-C (or `until`).
+    pub follow: bool,
+    /// With `follow`: stop after this long.
+    pub until: Option<Duration>,
+    pub watch: &'a mut W,
+}
+
 /// Snapshot if needed, then capture and apply together until caught up
 /// with the source's WAL position at the start (or, with `follow`, until
 /// SIGTERM or Ctrl-C).
@@ -162,6 +197,27 @@ pub async fn run_once(
     follow: bool,
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
+    let options = RunOptions {
+        follow,
+        until: None,
+        watch: &mut NoWatch,
+    };
+    run_watched(flow, index, config_path, options, progress).await
+}
+
+/// [`run_once`] with a deadline and a watcher beside capture and apply.
+pub async fn run_watched<W: Watch>(
+    flow: &Flow,
+    index: usize,
+    config_path: &str,
+    options: RunOptions<'_, W>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<RunReport, FlowError> {
+    let RunOptions {
+        follow,
+        until,
+        watch,
+    } = options;
     let log_dir = flow
         .log_dir()
         .ok_or_else(|| FlowError::Unsupported(flow.name.clone()))?
@@ -280,6 +336,7 @@ pub async fn run_once(
         tokio::select! {
             _ = rx.wait_for(|durable| *durable >= goal), if !follow => {}
             () = until_signal(), if follow => {}
+            () = tokio::time::sleep(until.unwrap_or_default()), if follow && until.is_some() => {}
             _ = failed_rx.wait_for(|f| *f) => {}
         }
     };
@@ -294,6 +351,7 @@ pub async fn run_once(
         result
     };
     let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path);
+    let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
         let mut total = ApplyStats::default();
         let mut last_retention = std::time::Instant::now();
@@ -320,7 +378,13 @@ pub async fn run_once(
             }
         }
     };
-    let (captured, applied) = tokio::join!(capture, apply);
+    let apply = async {
+        let result = apply.await;
+        let _ = applied_tx.send(true);
+        result
+    };
+    let (captured, applied, watched) = tokio::join!(capture, apply, watch.watch(&log, applied_rx));
+    watched?;
     let target = applier.client();
     let stats = match captured {
         Ok(stats) => stats,

@@ -12,6 +12,7 @@ pub mod lock;
 pub mod log;
 pub mod native;
 pub mod preflight;
+pub mod semantics;
 pub mod sim;
 pub mod snapshot;
 pub mod state;

@@ -167,7 +167,7 @@ fn chaos_run_prints_the_matrix() {
 
 #[test]
 fn unbuilt_commands_say_so() {
-    for cmd in ["fleet", "lake", "config", "semantics"] {
+    for cmd in ["fleet", "lake", "config"] {
         let out = trellara(&[cmd, "--config", "trellara.yml"]);
         assert_eq!(out.status.code(), Some(1), "{cmd}");
         let err = String::from_utf8_lossy(&out.stderr);

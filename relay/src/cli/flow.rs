@@ -286,14 +286,17 @@ fn grade(url: &str, request: &trellara_check::Request, format: &str) -> anyhow::
     }
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub(super) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("start the async runtime")
 }
 
-fn flows<'a>(config: &'a Config, only: Option<&str>) -> anyhow::Result<Vec<(usize, &'a Flow)>> {
+pub(super) fn flows<'a>(
+    config: &'a Config,
+    only: Option<&str>,
+) -> anyhow::Result<Vec<(usize, &'a Flow)>> {
     let selected: Vec<_> = config
         .flows
         .iter()

@@ -7,6 +7,7 @@ mod chaos;
 mod flow;
 mod log;
 mod relay;
+mod semantics;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::process::ExitCode;
@@ -75,7 +76,7 @@ pub enum Command {
     Stream(flow::StreamArgs),
     /// Observe the target while a flow applies: was anything half-applied?
     #[command(hide = true)]
-    Semantics(NotBuilt),
+    Semantics(semantics::SemanticsArgs),
 }
 
 /// Arguments of a command that has not landed yet: accepted, then refused
@@ -121,7 +122,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Reseed(args) => return flow::reseed(args),
         Command::RepairPlan(args) => return flow::repair_plan(args),
         Command::Stream(args) => return flow::stream(args),
-        Command::Semantics(_) => ("semantics", "issue 5 part 5"),
+        Command::Semantics(args) => return semantics::run(args),
     };
     anyhow::bail!(
         "`trellara {name}` is not built yet; it arrives with {issue}.\n\
