@@ -4,10 +4,13 @@
 //! Per table it compares row counts and an order-independent checksum: the
 //! sum of a 60-bit hash of each row's canonical text (key and covered
 //! columns), computed in SQL on both sides under the same session settings.
-//! A mismatch is narrowed by key range: the source's key order is cut into
-//! chunks (ntile), each chunk's count and checksum compared on the target
-//! over the same key range, and a mismatching chunk cut again, so the report
-//! names the diverging key range. It also checks watermarks (nothing left in
+//! A keyed table larger than `chunk_rows` is aggregated in key-range chunks
+//! of about that many rows (bounds found by walking the key index), so no
+//! query scans the whole table; the chunks' sums add up to the table's.
+//! A mismatch is narrowed by key range: a mismatching chunk is cut into 16
+//! by the source's key order (ntile), each compared on the target over the
+//! same range, and a mismatching one cut again, so the report names the
+//! diverging key range. It also checks watermarks (nothing left in
 //! the log past the applier, nothing captured-pending in the slot), the
 //! snapshot handoff state and quarantine, and reports duplicate accounting.
 //!
@@ -29,6 +32,8 @@ pub struct TableEvidence {
     pub target_rows: i64,
     pub source_checksum: String,
     pub target_checksum: String,
+    /// Key-range chunks the table was aggregated in (1: one scan).
+    pub chunks: usize,
     /// Key ranges whose rows differ, narrowest found.
     pub diverging_ranges: Vec<String>,
     /// What could not be checked, stated exactly.
@@ -170,63 +175,140 @@ async fn chunks(
         .collect())
 }
 
+/// `'v1'::t1, 'v2'::t2` for a key's text values.
+fn key_literal(key: &[(String, String)], values: &[String]) -> String {
+    values
+        .iter()
+        .zip(key)
+        .map(|(v, (_, ty))| format!("'{}'::{ty}", v.replace('\'', "''")))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn key_names(key: &[(String, String)]) -> String {
+    key.iter()
+        .map(|(n, _)| n.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// `ROW(k1, k2) BETWEEN ROW('lo1'::t1, ...) AND ROW('hi1'::t1, ...)`.
 fn key_range(key: &[(String, String)], lo: &[String], hi: &[String]) -> String {
-    let literal = |values: &[String]| {
-        values
-            .iter()
-            .zip(key)
-            .map(|(v, (_, ty))| format!("'{}'::{ty}", v.replace('\'', "''")))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let names: Vec<&str> = key.iter().map(|(n, _)| n.as_str()).collect();
     format!(
         "ROW({}) BETWEEN ROW({}) AND ROW({})",
-        names.join(", "),
-        literal(lo),
-        literal(hi)
+        key_names(key),
+        key_literal(key, lo),
+        key_literal(key, hi)
     )
+}
+
+/// Filters covering every key in chunks of `chunk_rows` source rows:
+/// `ROW(k) <= hi1`, `ROW(k) > hi1 AND ROW(k) <= hi2`, ..., `ROW(k) > hiN`
+/// (open at both ends, so target rows outside the source's keys are
+/// covered too). Each bound is found by an index walk of `chunk_rows` keys;
+/// a table with fewer rows is one range (`true`).
+async fn chunk_filters(
+    source: &Client,
+    qualified: &str,
+    key: &[(String, String)],
+    chunk_rows: u64,
+) -> Result<Vec<String>, tokio_postgres::Error> {
+    let names = key_names(key);
+    let text_key: Vec<String> = key.iter().map(|(k, _)| format!("{k}::text")).collect();
+    let mut filters = Vec::new();
+    let mut lower: Option<String> = None;
+    loop {
+        let above = lower
+            .as_deref()
+            .map_or("true".to_owned(), |lo| format!("ROW({names}) > ROW({lo})"));
+        let bound = source
+            .query_opt(
+                &format!(
+                    "SELECT ARRAY[{}] FROM ONLY {qualified} WHERE {above} ORDER BY {names} OFFSET {} LIMIT 1",
+                    text_key.join(", "),
+                    chunk_rows.saturating_sub(1)
+                ),
+                &[],
+            )
+            .await?;
+        let Some(bound) = bound else {
+            filters.push(above);
+            return Ok(filters);
+        };
+        let above = if lower.is_none() {
+            // The first chunk is open below.
+            String::new()
+        } else {
+            format!("{above} AND ")
+        };
+        let hi = key_literal(key, &bound.get::<_, Vec<String>>(0));
+        filters.push(format!("{above}ROW({names}) <= ROW({hi})"));
+        lower = Some(hi);
+    }
+}
+
+/// Adds two checksum sums (decimal text; they outgrow i64 on big tables).
+fn add_sums(a: &str, b: &str) -> String {
+    let parse = |s: &str| s.parse::<i128>().unwrap_or(0);
+    (parse(a) + parse(b)).to_string()
 }
 
 async fn verify_table(
     source: &Client,
     target: &Client,
     table: &str,
+    chunk_rows: u64,
 ) -> Result<TableEvidence, VerifyError> {
     let (schema, name) =
         split_table(table).ok_or_else(|| VerifyError::BadTable(table.to_owned()))?;
     let qualified = format!("\"{schema}\".\"{name}\"");
     let (columns, key) = shape(source, &qualified).await?;
     let list = columns.join(", ");
-    let (source_rows, source_checksum) = aggregate(source, &qualified, &list, "true")
-        .await
-        .map_err(VerifyError::Source)?;
-    let (target_rows, target_checksum) = aggregate(target, &qualified, &list, "true")
-        .await
-        .map_err(VerifyError::Target)?;
+    let filters = if key.is_empty() {
+        vec!["true".to_owned()]
+    } else {
+        chunk_filters(source, &qualified, &key, chunk_rows)
+            .await
+            .map_err(VerifyError::Source)?
+    };
     let mut evidence = TableEvidence {
         table: table.to_owned(),
         key: key.iter().map(|(n, _)| n.clone()).collect(),
-        source_rows,
-        target_rows,
-        source_checksum,
-        target_checksum,
+        source_rows: 0,
+        target_rows: 0,
+        source_checksum: "0".into(),
+        target_checksum: "0".into(),
+        chunks: filters.len(),
         diverging_ranges: Vec::new(),
         limits: Vec::new(),
     };
+    let mut mismatched = Vec::new();
+    for filter in filters {
+        let (s_rows, s_sum) = aggregate(source, &qualified, &list, &filter)
+            .await
+            .map_err(VerifyError::Source)?;
+        let (t_rows, t_sum) = aggregate(target, &qualified, &list, &filter)
+            .await
+            .map_err(VerifyError::Target)?;
+        if (s_rows, &s_sum) != (t_rows, &t_sum) {
+            mismatched.push(filter);
+        }
+        evidence.source_rows += s_rows;
+        evidence.target_rows += t_rows;
+        evidence.source_checksum = add_sums(&evidence.source_checksum, &s_sum);
+        evidence.target_checksum = add_sums(&evidence.target_checksum, &t_sum);
+    }
     if key.is_empty() {
         evidence.limits.push(
             "no primary key or replica identity index: the checksum covers every column but a divergence cannot be narrowed to a key range".into(),
         );
     }
-    let matches = evidence.source_rows == evidence.target_rows
-        && evidence.source_checksum == evidence.target_checksum;
-    if matches || key.is_empty() {
+    if mismatched.is_empty() || key.is_empty() {
         return Ok(evidence);
     }
-    // Narrow it down: two rounds of 16 key-range chunks.
-    let mut ranges = vec!["true".to_owned()];
+    // Narrow it down: two rounds of 16 key-range chunks within each
+    // mismatching chunk.
+    let mut ranges = mismatched;
     for _ in 0..2 {
         let mut narrower = Vec::new();
         for filter in &ranges {
@@ -261,6 +343,9 @@ async fn verify_table(
     Ok(evidence)
 }
 
+/// Rows per key-range chunk of the whole-table aggregate by default.
+pub const CHUNK_ROWS: u64 = 1_000_000;
+
 /// Runs every check for `flow` and records the verdict in the target.
 pub async fn verify(
     flow: &Flow,
@@ -268,6 +353,7 @@ pub async fn verify(
     target: &Client,
     only_table: Option<&str>,
     config_path: &str,
+    chunk_rows: u64,
 ) -> Result<Verdict, VerifyError> {
     source
         .batch_execute(SESSION)
@@ -285,7 +371,7 @@ pub async fn verify(
         .iter()
         .filter(|t| only_table.is_none_or(|o| o == t.as_str()))
     {
-        let e = verify_table(source, target, table).await?;
+        let e = verify_table(source, target, table, chunk_rows).await?;
         if e.source_rows != e.target_rows {
             divergences.push(Divergence {
                 code: "ROW_COUNT_MISMATCH",
@@ -502,8 +588,17 @@ pub fn render_text(v: &Verdict) -> String {
     let mut out = String::new();
     for t in &v.tables {
         out.push_str(&format!(
-            "  {:<28} rows {} / {}  checksum {} / {}\n",
-            t.table, t.source_rows, t.target_rows, t.source_checksum, t.target_checksum
+            "  {:<28} rows {} / {}  checksum {} / {}{}\n",
+            t.table,
+            t.source_rows,
+            t.target_rows,
+            t.source_checksum,
+            t.target_checksum,
+            if t.chunks > 1 {
+                format!("  ({} key-range chunks)", t.chunks)
+            } else {
+                String::new()
+            }
         ));
         for l in &t.limits {
             out.push_str(&format!("    not checked: {l}\n"));

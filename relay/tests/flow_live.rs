@@ -417,6 +417,22 @@ fn verify_names_a_row_changed_behind_its_back_on(major: Major) {
         ),
         "run",
     );
+    // In key-range chunks of 100 rows the whole-table sums agree too.
+    let chunked = &[
+        "verify",
+        "--config",
+        "trellara.yml",
+        "--chunk-rows",
+        "100",
+        "--format",
+        "json",
+    ];
+    let out = trellara(d, chunked);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(out.status.code(), Some(0), "{v}");
+    // 400 orders and 1,000 line items: 100-row chunks plus the open tail.
+    assert_eq!(v[0]["tables"][0]["chunks"], 5, "{v}");
+    assert_eq!(v[0]["tables"][1]["chunks"], 11, "{v}");
     p.target
         .psql("UPDATE public.line_items SET qty = qty + 1 WHERE order_id = 321 AND line = 1");
     let out = trellara(
@@ -428,12 +444,25 @@ fn verify_names_a_row_changed_behind_its_back_on(major: Major) {
     let divergences = v[0]["divergences"].as_array().expect("divergences");
     assert_eq!(divergences.len(), 1, "{v}");
     assert_eq!(divergences[0]["code"], "CHECKSUM_MISMATCH");
+    assert_narrow_range_around_321(&v);
+    assert_eq!(
+        v[0]["snapshot_state"], "failed_recoverable",
+        "verified was demoted on new evidence"
+    );
+    // Chunked, the same divergence is found and named.
+    let out = trellara(d, chunked);
+    assert_eq!(out.status.code(), Some(1), "diverged");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_narrow_range_around_321(&v);
+}
+
+/// The one diverging range of line_items brackets order 321 narrowly.
+fn assert_narrow_range_around_321(v: &serde_json::Value) {
     let ranges = v[0]["tables"][1]["diverging_ranges"]
         .as_array()
         .expect("ranges");
     assert_eq!(ranges.len(), 1, "narrowed to one key range: {ranges:?}");
     let range = ranges[0].as_str().expect("text");
-    // The named range brackets the changed key and is narrow.
     let lo: i64 = range
         .split("ROW('")
         .nth(1)
@@ -447,10 +476,6 @@ fn verify_names_a_row_changed_behind_its_back_on(major: Major) {
         .and_then(|s| s.parse().ok())
         .expect("upper key");
     assert!(lo <= 321 && 321 <= hi && hi - lo < 20, "{range}");
-    assert_eq!(
-        v[0]["snapshot_state"], "failed_recoverable",
-        "verified was demoted on new evidence"
-    );
 }
 
 #[test]

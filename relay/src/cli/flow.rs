@@ -95,6 +95,10 @@ pub struct VerifyArgs {
     table: Option<String>,
     #[arg(long)]
     flow: Option<String>,
+    /// Rows per key-range chunk of the whole-table checksum (a larger keyed
+    /// table is read in chunks, never in one scan).
+    #[arg(long, default_value_t = verify::CHUNK_ROWS, value_parser = clap::value_parser!(u64).range(1..))]
+    chunk_rows: u64,
     #[arg(long, value_enum, default_value_t)]
     format: Format,
 }
@@ -345,7 +349,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     }
     if args.verify {
-        return verify_flows(&config, &config_path, None, None, args.format, &rt);
+        return verify_flows(
+            &config,
+            &config_path,
+            None,
+            None,
+            args.format,
+            verify::CHUNK_ROWS,
+            &rt,
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -376,6 +388,7 @@ pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
             args.flow.as_deref(),
             args.table.as_deref(),
             args.format,
+            args.chunk_rows,
             &rt,
         )
     })();
@@ -394,6 +407,7 @@ fn verify_flows(
     only_flow: Option<&str>,
     table: Option<&str>,
     format: Format,
+    chunk_rows: u64,
     rt: &tokio::runtime::Runtime,
 ) -> anyhow::Result<ExitCode> {
     let mut verdicts = Vec::new();
@@ -409,7 +423,9 @@ fn verify_flows(
                 let source = flow::connect(&source_url, "source").await?;
                 let target = flow::connect(&target_url, "target").await?;
                 crate::state::ensure(&target).await?;
-                anyhow::Ok(verify::verify(f, &source, &target, table, config_path).await?)
+                anyhow::Ok(
+                    verify::verify(f, &source, &target, table, config_path, chunk_rows).await?,
+                )
             })
             .with_context(|| format!("verify flow {}", f.name))?;
         verdicts.push(verdict);
@@ -643,6 +659,7 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
             args.flow.as_deref(),
             None,
             args.format,
+            verify::CHUNK_ROWS,
             &rt,
         );
     }
