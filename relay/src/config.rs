@@ -290,6 +290,7 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
         );
     }
     let mut names = std::collections::HashSet::new();
+    let mut log_dirs = std::collections::HashSet::new();
     for (i, flow) in config.flows.iter().enumerate() {
         let at = |field: &str| format!("flows[{i}].{field}");
         if !valid_name(&flow.name) {
@@ -304,6 +305,16 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
                 at("name"),
                 format!("{:?} is used by another flow", flow.name),
                 "give each flow its own name",
+            );
+        }
+        // Each log has one writer and one stream: two flows cannot share one.
+        if let Some(dir) = flow.log_dir()
+            && !log_dirs.insert(dir.to_path_buf())
+        {
+            issue(
+                at("transport.log_dir"),
+                format!("{} is the log of another flow", dir.display()),
+                "give each flow its own log_dir, e.g. ./.trellara/<flow>",
             );
         }
         for (side, secret) in [("source", &flow.source.url), ("target", &flow.target.url)] {
@@ -496,6 +507,25 @@ flows:
             ]
         );
         assert!(issues.iter().all(|i| !i.fix.is_empty()));
+    }
+
+    #[test]
+    fn two_flows_cannot_share_a_log() {
+        let second = "
+  - name: other
+    source:
+      url: postgresql://postgres@127.0.0.1:5432/shop
+    target:
+      url_env: TARGET_URL
+    tables: [public.sales]
+";
+        let issues = validate(&parse(&format!("{GOOD}{second}")).expect("parses"));
+        assert_eq!(issues.len(), 1, "{issues:?}");
+        assert_eq!(issues[0].field, "flows[1].transport.log_dir");
+        let own = format!(
+            "{GOOD}{second}    transport:\n      kind: local\n      log_dir: ./.trellara/other\n"
+        );
+        assert!(validate(&parse(&own).expect("parses")).is_empty());
     }
 
     #[test]

@@ -336,6 +336,49 @@ fn semantics_on(major: Major) {
 }
 
 #[test]
+fn a_stopped_flow_does_not_hold_the_others_back() {
+    on_every_major(a_stopped_flow_does_not_hold_the_others_back_on);
+}
+
+fn a_stopped_flow_does_not_hold_the_others_back_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    let flow = |name: &str, table: &str| {
+        format!(
+            "  - name: {name}\n    source:\n      url: {}\n    target:\n      url: {}\n    tables: [{table}]\n    transport:\n      kind: local\n      log_dir: ./.trellara/{name}\n",
+            p.source.connection_string("postgres"),
+            p.target.connection_string("postgres")
+        )
+    };
+    std::fs::write(
+        d.join("two.yml"),
+        format!(
+            "schema_version: 2\nenvironment: evaluation\nflows:\n{}{}",
+            flow("orders", "public.orders"),
+            flow("lines", "public.line_items")
+        ),
+    )
+    .expect("config");
+    // The orders flow cannot land its rows on this target.
+    p.target
+        .psql("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (total < 5) NOT VALID");
+    workload(&p.source, 1, 20);
+    let out = trellara(d, &["run", "--config", "two.yml", "--local"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{major}: {err}");
+    assert!(err.contains("flow orders"), "{major}: {err}");
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM public.line_items"),
+        p.source
+            .psql_value("SELECT count(*) FROM public.line_items"),
+        "{major}: the lines flow went on"
+    );
+}
+
+#[test]
 fn quarantine_repair_and_replay() {
     on_every_major(quarantine_repair_and_replay_on);
 }

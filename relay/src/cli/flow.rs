@@ -319,6 +319,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let rt = runtime()?;
     let text = args.format == Format::Text;
     let mut reports = Vec::new();
+    let mut failed: Vec<anyhow::Error> = Vec::new();
     let selected = flows(&config, args.flow.as_deref())?;
     if args.follow && selected.len() > 1 {
         anyhow::bail!(
@@ -333,16 +334,26 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 eprintln!("[{}] {line}", f.name);
             }
         };
-        let report = rt
-            .block_on(flow::run_once(
-                f,
-                index,
-                &config_path,
-                args.follow,
-                &mut progress,
-            ))
-            .with_context(|| format!("flow {}", f.name))?;
-        reports.push(report);
+        // A flow that stops (a quarantined transaction, an unreachable
+        // database) does not hold the others back.
+        match rt.block_on(flow::run_once(
+            f,
+            index,
+            &config_path,
+            args.follow,
+            &mut progress,
+        )) {
+            Ok(report) => reports.push(report),
+            Err(e) => failed.push(anyhow::Error::new(e).context(format!("flow {}", f.name))),
+        }
+    }
+    if !failed.is_empty() {
+        for e in &failed[..failed.len() - 1] {
+            eprintln!("error: {e:#}");
+        }
+        if let Some(last) = failed.pop() {
+            return Err(last);
+        }
     }
     if args.format == Format::Json && !args.verify {
         let out: Vec<_> = reports.iter().map(run_json).collect();
