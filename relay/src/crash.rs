@@ -16,8 +16,7 @@
 //! | `TableCopied` | one table copied, the next not started | each table's copy is idempotent |
 //! | `CopiedNotHandedOff` | copy → handoff record | a run not handed off is re-planned |
 //! | `HandedOffNotStreaming` | handoff → stream start | the slot holds the stream from the boundary |
-//!
-//! Still to come with its feature: publish → cursor (Kafka transport).
+//! | `PublishedCursorNotMoved` | Kafka publish → publisher cursor | the tail is published again; the checkpoint skips it |
 
 /// A window where the simulator can stop a process as if it died.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +45,9 @@ pub enum CrashPoint {
     /// Snapshot: the handoff recorded (stream_handoff_ready), the stream not
     /// started.
     HandedOffNotStreaming,
+    /// Kafka transport: records acknowledged by the broker, the publisher's
+    /// log cursor not moved.
+    PublishedCursorNotMoved,
 }
 
 pub trait CrashHooks {

@@ -33,10 +33,12 @@
 //! }
 //! ```
 
+mod broker;
 mod cluster;
 mod major;
 mod matrix;
 
+pub use broker::Broker;
 pub use cluster::{Cluster, ClusterError, ClusterOptions, HOST, OS_USER, SUPERUSER, error_chain};
 pub use major::{
     BindirOrigin, DEFAULT_PG_ENV_FILE, Install, Major, MissingMajor, PG_ENV_FILE_VAR,

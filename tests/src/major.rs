@@ -225,6 +225,15 @@ fn pg_env_file_entry(major: Major) -> Option<(PathBuf, PathBuf)> {
     Some((file, PathBuf::from(dir)))
 }
 
+/// The value of `key` in the env file `scripts/setup` writes, if any.
+pub(crate) fn env_file_value(key: &str) -> Option<String> {
+    let file = std::env::var_os(PG_ENV_FILE_VAR)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_PG_ENV_FILE));
+    let text = std::fs::read_to_string(file).ok()?;
+    parse_env_file(&text).remove(key)
+}
+
 /// Parses `KEY=VALUE` lines; `#` comments, blank lines, `export ` and quotes allowed.
 fn parse_env_file(text: &str) -> HashMap<String, String> {
     text.lines()

@@ -1,0 +1,338 @@
+//! The Kafka transport, store and forward: capture keeps making the local
+//! segment log durable and acknowledging the source after its fsync; the
+//! [`Publisher`] forwards the log, in order, to one partition of a topic
+//! (idempotent producer, `acks=all`) and moves its log cursor only after
+//! every record up to it is acknowledged by the broker; consumers read the
+//! topic through a [`Feed`] and commit their group's offset only after they
+//! have applied what they read.
+//!
+//! ```text
+//!  capture ─▶ log (fsync) ─▶ ack source
+//!               └─ cursor publisher-<flow> ─▶ Publisher ─▶ topic/0 (acks=all)
+//!                                                             └─▶ Feed (group offset) ─▶ applier
+//! ```
+//!
+//! Invariants:
+//! * **Publish, then move the cursor.** A crash between the broker's
+//!   acknowledgement and the cursor commit (crash point
+//!   `PublishedCursorNotMoved`) publishes the tail again: the topic holds
+//!   duplicates, never a gap; the applier's checkpoint skips them.
+//! * **One partition, log order.** Records keep the log's order, so the
+//!   topic's order is the source's commit order.
+//! * **Commit after apply.** A Feed's group offset moves only when its
+//!   consumer says the records are applied.
+//!
+//! Not wired into `trellara run` yet (`transport: kafka` is still refused by
+//! `check`); this is the transport itself, tested against a real broker.
+
+use crate::crash::{CrashHooks, CrashPoint, NoCrash};
+use crate::log::storage::Storage;
+use crate::log::{CursorPosition, Log};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::Message;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use std::time::Duration;
+
+/// How long a broker round trip may take before it is an error.
+const TIMEOUT: Duration = Duration::from_secs(30);
+/// Records sent before waiting for their acknowledgements.
+const BATCH_RECORDS: usize = 1_000;
+const PARTITION: i32 = 0;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error(
+        "kafka ({brokers}, topic {topic}): {source}\nhint: check transport.brokers and that the broker is up"
+    )]
+    Kafka {
+        brokers: String,
+        topic: String,
+        #[source]
+        source: Box<KafkaError>,
+    },
+    #[error(transparent)]
+    Log(#[from] crate::log::Error),
+    #[error(
+        "topic {topic} has {partitions} partitions; strict order needs exactly 1\nhint: create it with one partition, or name another topic"
+    )]
+    Partitions { topic: String, partitions: usize },
+    /// Only the simulator's crash hooks produce this.
+    #[error("simulated crash at {0:?}")]
+    Crashed(CrashPoint),
+}
+
+/// Where a flow's records go.
+#[derive(Debug, Clone)]
+pub struct KafkaTarget {
+    pub brokers: String,
+    pub topic: String,
+}
+
+impl KafkaTarget {
+    fn error(&self, source: KafkaError) -> TransportError {
+        TransportError::Kafka {
+            brokers: self.brokers.clone(),
+            topic: self.topic.clone(),
+            source: Box::new(source),
+        }
+    }
+
+    fn client(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &self.brokers)
+            .set("socket.timeout.ms", "30000");
+        config
+    }
+
+    /// Creates the topic with one partition if it does not exist, and
+    /// refuses one that exists with more.
+    pub async fn ensure_topic(&self) -> Result<(), TransportError> {
+        let admin: AdminClient<DefaultClientContext> =
+            self.client().create().map_err(|e| self.error(e))?;
+        let topic = NewTopic::new(&self.topic, 1, TopicReplication::Fixed(1));
+        let results = admin
+            .create_topics(
+                [&topic],
+                &AdminOptions::new().operation_timeout(Some(TIMEOUT)),
+            )
+            .await
+            .map_err(|e| self.error(e))?;
+        for result in results {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((_, code)) => return Err(self.error(KafkaError::AdminOp(code))),
+            }
+        }
+        let probe: BaseConsumer = self.client().create().map_err(|e| self.error(e))?;
+        let metadata = probe
+            .fetch_metadata(Some(&self.topic), TIMEOUT)
+            .map_err(|e| self.error(e))?;
+        let partitions = metadata
+            .topics()
+            .iter()
+            .find(|t| t.name() == self.topic)
+            .map_or(0, |t| t.partitions().len());
+        if partitions != 1 {
+            return Err(TransportError::Partitions {
+                topic: self.topic.clone(),
+                partitions,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The log consumer name of a flow's publisher.
+pub fn publisher_cursor(flow: &str) -> String {
+    format!("publisher-{flow}")
+}
+
+/// What one publish pass did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PublishStats {
+    pub records: u64,
+    pub bytes: u64,
+}
+
+/// Forwards the log to the topic.
+pub struct Publisher {
+    target: KafkaTarget,
+    producer: FutureProducer,
+    cursor: String,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("topic", &self.target.topic)
+            .field("cursor", &self.cursor)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Publisher {
+    pub fn new(target: KafkaTarget, flow: &str) -> Result<Self, TransportError> {
+        let producer = target
+            .client()
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "1")
+            .set("message.timeout.ms", "30000")
+            .create()
+            .map_err(|e| target.error(e))?;
+        Ok(Publisher {
+            target,
+            producer,
+            cursor: publisher_cursor(flow),
+        })
+    }
+
+    /// Publishes every durable record past the cursor, then moves it.
+    pub async fn publish<S: Storage>(&self, log: &Log<S>) -> Result<PublishStats, TransportError> {
+        self.publish_with(log, &NoCrash).await
+    }
+
+    /// [`publish`](Self::publish), stopping at the crash points `hooks`
+    /// names (the simulator's and tests').
+    pub async fn publish_with<S: Storage>(
+        &self,
+        log: &Log<S>,
+        hooks: &dyn CrashHooks,
+    ) -> Result<PublishStats, TransportError> {
+        let start = log.register_consumer(&self.cursor)?;
+        let mut stats = PublishStats::default();
+        let mut reader = log.read_from(start.next_offset)?;
+        loop {
+            let mut pending = Vec::with_capacity(BATCH_RECORDS);
+            let mut last = None;
+            for record in reader.by_ref().take(BATCH_RECORDS) {
+                let record = record?;
+                let key = record.commit_lsn.to_be_bytes();
+                let sent = FutureRecord::to(&self.target.topic)
+                    .partition(PARTITION)
+                    .key(&key)
+                    .payload(&record.payload);
+                let delivery = self
+                    .producer
+                    .send_result(sent)
+                    .map_err(|(e, _)| self.target.error(e))?;
+                stats.records += 1;
+                stats.bytes += record.payload.len() as u64;
+                last = Some((record.offset, record.commit_lsn));
+                pending.push(delivery);
+            }
+            let Some((offset, commit_lsn)) = last else {
+                return Ok(stats);
+            };
+            for delivery in pending {
+                match delivery.await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err((e, _))) => return Err(self.target.error(e)),
+                    Err(_) => return Err(self.target.error(KafkaError::Canceled)),
+                }
+            }
+            if hooks.crash_at(CrashPoint::PublishedCursorNotMoved) {
+                return Err(TransportError::Crashed(CrashPoint::PublishedCursorNotMoved));
+            }
+            log.commit_cursor(&self.cursor, CursorPosition::after(offset, commit_lsn))?;
+        }
+    }
+}
+
+/// One record read from the topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicRecord {
+    /// The topic offset (the Feed's position after it is applied: +1).
+    pub offset: i64,
+    pub commit_lsn: u64,
+    pub payload: Vec<u8>,
+}
+
+/// Reads the topic from a consumer group's committed offset.
+pub struct Feed {
+    target: KafkaTarget,
+    consumer: BaseConsumer,
+}
+
+impl std::fmt::Debug for Feed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Feed")
+            .field("topic", &self.target.topic)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Feed {
+    /// A consumer in `group`, positioned at the group's committed offset
+    /// (the topic's start when the group has none).
+    pub fn new(target: KafkaTarget, group: &str) -> Result<Self, TransportError> {
+        let consumer: BaseConsumer = target
+            .client()
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "true")
+            .set("auto.offset.reset", "earliest")
+            .set("session.timeout.ms", "6000")
+            .create()
+            .map_err(|e| target.error(e))?;
+        let feed = Feed { target, consumer };
+        let start = feed.committed()?;
+        feed.seek_to(start)?;
+        Ok(feed)
+    }
+
+    /// The group's committed offset: the next record to read.
+    pub fn committed(&self) -> Result<i64, TransportError> {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&self.target.topic, PARTITION);
+        let committed = self
+            .consumer
+            .committed_offsets(tpl, TIMEOUT)
+            .map_err(|e| self.target.error(e))?;
+        Ok(committed
+            .find_partition(&self.target.topic, PARTITION)
+            .and_then(|p| match p.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            })
+            .unwrap_or(0))
+    }
+
+    /// Reads from `offset` next.
+    pub fn seek_to(&self, offset: i64) -> Result<(), TransportError> {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&self.target.topic, PARTITION, Offset::Offset(offset))
+            .map_err(|e| self.target.error(e))?;
+        self.consumer.assign(&tpl).map_err(|e| self.target.error(e))
+    }
+
+    /// Up to `max` records from the current position; fewer (possibly
+    /// none) when the partition's end is reached.
+    pub fn read(&self, max: usize) -> Result<Vec<TopicRecord>, TransportError> {
+        let mut out = Vec::new();
+        let deadline = std::time::Instant::now() + TIMEOUT;
+        while out.len() < max {
+            let Some(polled) = self.consumer.poll(Duration::from_millis(100)) else {
+                if std::time::Instant::now() > deadline {
+                    return Err(self.target.error(KafkaError::MessageConsumption(
+                        RDKafkaErrorCode::OperationTimedOut,
+                    )));
+                }
+                continue;
+            };
+            match polled {
+                Ok(message) => {
+                    let key: [u8; 8] = message
+                        .key()
+                        .and_then(|k| k.try_into().ok())
+                        .unwrap_or_default();
+                    out.push(TopicRecord {
+                        offset: message.offset(),
+                        commit_lsn: u64::from_be_bytes(key),
+                        payload: message.payload().unwrap_or_default().to_vec(),
+                    });
+                }
+                Err(KafkaError::PartitionEOF(_)) => break,
+                Err(e) => return Err(self.target.error(e)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Commits the group's offset: everything before `next` is applied.
+    pub fn commit(&self, next: i64) -> Result<(), TransportError> {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&self.target.topic, PARTITION, Offset::Offset(next))
+            .map_err(|e| self.target.error(e))?;
+        self.consumer
+            .commit(&tpl, CommitMode::Sync)
+            .map_err(|e| self.target.error(e))
+    }
+}

@@ -1,0 +1,147 @@
+//! The Kafka transport against a real broker (`tansu`, memory storage, from
+//! scripts/setup): the publisher forwards the log in order and moves its
+//! cursor only after the broker acknowledged; a crash in between publishes
+//! the tail again (duplicates, never a gap); a feed resumes from its group's
+//! committed offset.
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use trellara_common::{envelope, sample};
+use trellara_relay::crash::{CrashHooks, CrashPoint};
+use trellara_relay::kafka::{Feed, KafkaTarget, Publisher, TransportError, publisher_cursor};
+use trellara_relay::log::{Log, LogConfig, storage::FsStorage};
+use trellara_tests::Broker;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Appends `n` transactions committing from `first` (0x100 apart).
+fn append(log: &Log<FsStorage>, first: u64, n: u64) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|i| {
+            let mut env = sample::insert_transaction(1 + (i % 3) as usize, 20);
+            let lsn = first + i * 0x100;
+            env.begin_lsn = lsn - 0x10;
+            env.commit_lsn = lsn;
+            env.end_lsn = lsn + 0x10;
+            let bytes = envelope::encode(&env).expect("valid");
+            log.append(lsn, &bytes).expect("append");
+            bytes
+        })
+        .collect()
+}
+
+struct CrashAfterPublish;
+
+impl CrashHooks for CrashAfterPublish {
+    fn crash_at(&self, point: CrashPoint) -> bool {
+        point == CrashPoint::PublishedCursorNotMoved
+    }
+}
+
+#[test]
+fn publisher_forwards_the_log_in_order_and_feeds_resume_from_their_offset() {
+    let Some(broker) = Broker::start() else {
+        return;
+    };
+    let rt = runtime();
+    let target = KafkaTarget {
+        brokers: broker.bootstrap(),
+        topic: "trellara-shop".into(),
+    };
+    rt.block_on(target.ensure_topic()).expect("topic");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("log");
+    let sent = append(&log, 0x1000_0000, 50);
+    let publisher = Publisher::new(target.clone(), "shop").expect("publisher");
+    let stats = rt.block_on(publisher.publish(&log)).expect("publish");
+    assert_eq!(stats.records, 50);
+    assert_eq!(
+        log.cursor(&publisher_cursor("shop")).map(|c| c.next_offset),
+        Some(50),
+        "the cursor moved past every acknowledged record"
+    );
+    assert_eq!(
+        rt.block_on(publisher.publish(&log)).expect("again").records,
+        0,
+        "nothing is published twice without a crash"
+    );
+
+    // In log order, whole, with the commit LSN in the key.
+    let feed = Feed::new(target.clone(), "applier-shop").expect("feed");
+    let read = feed.read(1_000).expect("read");
+    assert_eq!(read.len(), 50);
+    for (i, (record, payload)) in read.iter().zip(&sent).enumerate() {
+        assert_eq!(record.offset, i as i64);
+        assert_eq!(record.commit_lsn, 0x1000_0000 + i as u64 * 0x100);
+        assert_eq!(&record.payload, payload);
+    }
+    // A new consumer of the group resumes where the group committed.
+    feed.commit(20).expect("commit");
+    drop(feed);
+    let feed = Feed::new(target.clone(), "applier-shop").expect("feed again");
+    assert_eq!(feed.committed().expect("committed"), 20);
+    let rest = feed.read(1_000).expect("read rest");
+    assert_eq!(rest.first().map(|r| r.offset), Some(20));
+    assert_eq!(rest.len(), 30);
+
+    // Acknowledged by the broker, then the process dies before the cursor
+    // moved: the tail goes out again. Duplicates, never a gap.
+    let more = append(&log, 0x2000_0000, 10);
+    let crashed = rt.block_on(publisher.publish_with(&log, &CrashAfterPublish));
+    assert!(
+        matches!(
+            crashed,
+            Err(TransportError::Crashed(CrashPoint::PublishedCursorNotMoved))
+        ),
+        "{crashed:?}"
+    );
+    assert_eq!(
+        log.cursor(&publisher_cursor("shop")).map(|c| c.next_offset),
+        Some(50)
+    );
+    let restarted = Publisher::new(target.clone(), "shop").expect("restart");
+    assert_eq!(
+        rt.block_on(restarted.publish(&log))
+            .expect("replay")
+            .records,
+        10
+    );
+    let tail = feed.read(1_000).expect("tail");
+    let lsns: Vec<u64> = tail.iter().map(|r| r.commit_lsn).collect();
+    let expected: Vec<u64> = (0..10).map(|i| 0x2000_0000 + i * 0x100).collect();
+    assert_eq!(tail.len(), 20, "the 10 records, then the same 10 again");
+    assert_eq!(lsns[..10], expected[..]);
+    assert_eq!(lsns[10..], expected[..]);
+    assert_eq!(tail[0].payload, more[0]);
+}
+
+#[test]
+fn a_topic_with_several_partitions_is_refused() {
+    let Some(broker) = Broker::start() else {
+        return;
+    };
+    let rt = runtime();
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", broker.bootstrap())
+        .create()
+        .expect("admin");
+    let topic = NewTopic::new("wide", 3, TopicReplication::Fixed(1));
+    rt.block_on(admin.create_topics([&topic], &AdminOptions::new()))
+        .expect("create");
+    let target = KafkaTarget {
+        brokers: broker.bootstrap(),
+        topic: "wide".into(),
+    };
+    let err = rt.block_on(target.ensure_topic()).expect_err("refused");
+    assert!(
+        matches!(err, TransportError::Partitions { partitions: 3, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("exactly 1"), "{err}");
+}
