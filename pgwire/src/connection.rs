@@ -16,9 +16,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// Session settings for text that round-trips exactly: ISO dates,
-/// postgres intervals, shortest exact floats.
+/// postgres intervals, shortest exact floats, times in UTC (so every
+/// reader compares the same text, whatever the server's time zone).
 pub const SESSION_OPTIONS: &str =
-    "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3";
+    "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 -c timezone=UTC";
 
 /// Largest backend message accepted: pgoutput rows can carry values up to
 /// 1 GiB, plus headers.

@@ -384,7 +384,6 @@ pub async fn run_watched<W: Watch>(
         result
     };
     let (captured, applied, watched) = tokio::join!(capture, apply, watch.watch(&log, applied_rx));
-    watched?;
     let target = applier.client();
     let stats = match captured {
         Ok(stats) => stats,
@@ -406,6 +405,8 @@ pub async fn run_watched<W: Watch>(
         Err(err) => return Err(err),
     };
     report.apply = applied?;
+    // The flow's own errors come first; the watcher's after them.
+    watched?;
     report.envelopes_captured = stats.envelopes;
     report.capture_duplicates_skipped = stats.duplicates_skipped;
     report.caught_up_to = (!follow).then_some(goal);

@@ -13,10 +13,17 @@
 //! is a transaction the checkpoint claims but the reader cannot see. Either
 //! is reported with the transaction, the table and the key.
 //!
+//! The window runs from 200 records before the applier's cursor to 200
+//! records past `C`, read inside the snapshot after `C`.
+//!
 //! Limits, stated in the output: keys written before the window whose only
 //! write in it lies above `C` as an update or delete cannot be judged (their
-//! earlier value is not in the window); tables without a key are not read;
-//! columns are compared in their text form.
+//! earlier value is not in the window); a table is not judged in a read
+//! whose window holds a TRUNCATE of it; tables without a primary key or
+//! replica identity index (or with REPLICA IDENTITY FULL) are not read;
+//! columns are compared as text in UTC, so a target column of another type
+//! than the source's (numeric(12,2) for numeric, jsonb for json) reads as a
+//! difference.
 
 use crate::flow::{FlowError, Watch};
 use crate::log::{Log, storage::FsStorage};
@@ -24,7 +31,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 use tokio_postgres::Client;
 use trellara_common::Lsn;
-use trellara_common::envelope::{self, BeforeImage, Operation, RelationSchema, change, value};
+use trellara_common::envelope::{
+    self, BeforeImage, Operation, RelationSchema, ReplicaIdentity, change, value,
+};
 
 /// Transactions read each side of the applier's cursor.
 const WINDOW: u64 = 200;
@@ -57,6 +66,9 @@ pub struct SemanticsReport {
     pub rows_compared: u64,
     /// Keys the window could not judge (see the module limits).
     pub rows_unjudged: u64,
+    /// Reads whose window grew past its bound before reaching past the
+    /// checkpoint (the applier far behind the log): not judged.
+    pub reads_unjudged: u64,
     pub violations: u64,
     pub findings: Vec<Finding>,
     /// Tables not read, and why.
@@ -79,6 +91,8 @@ struct TableWrites {
     keys: Vec<String>,
     columns: Vec<String>,
     by_key: BTreeMap<Vec<String>, Vec<Write>>,
+    /// The window holds a TRUNCATE of the table.
+    truncated: bool,
 }
 
 fn quote(name: &str) -> String {
@@ -110,6 +124,8 @@ pub struct Observer {
 }
 
 impl Observer {
+    /// `target` must use the capture session's TimeZone (UTC) so time
+    /// values compare as text: see [`Observer::prepare`].
     pub fn new(target: Client, flow: &str) -> Self {
         Observer {
             target,
@@ -121,17 +137,34 @@ impl Observer {
         }
     }
 
-    /// The writes of the log window around the applier's cursor.
-    fn window(&mut self, log: &Log<FsStorage>) -> Result<BTreeMap<String, TableWrites>, FlowError> {
-        let cursor = log
-            .cursor(&crate::apply::cursor_name(&self.flow))
-            .map_or(log.first_offset(), |c| c.next_offset);
+    /// The writes of the log from `WINDOW` records before `cursor` (the
+    /// applier's, read before the checkpoint, so at or below it) to `WINDOW`
+    /// records past the checkpoint `c`. None when the window would exceed
+    /// `MAX_WRITES` before reaching past `c` (the read is not judged).
+    fn window(
+        &mut self,
+        log: &Log<FsStorage>,
+        cursor: u64,
+        c: u64,
+    ) -> Result<Option<BTreeMap<String, TableWrites>>, FlowError> {
         let from = cursor.saturating_sub(WINDOW).max(log.first_offset());
-        let to = (cursor + WINDOW).min(log.next_offset());
         let mut tables: BTreeMap<String, TableWrites> = BTreeMap::new();
         let mut writes = 0usize;
-        for record in log.read_from(from)?.take((to - from) as usize) {
+        let mut past = 0u64;
+        for record in log.read_from(from)? {
             let record = record?;
+            if record.commit_lsn > c {
+                past += 1;
+                if past > WINDOW {
+                    break;
+                }
+            }
+            if writes >= MAX_WRITES {
+                if past == 0 {
+                    return Ok(None);
+                }
+                break;
+            }
             let Ok(env) = envelope::decode(&record.payload) else {
                 continue;
             };
@@ -147,29 +180,31 @@ impl Observer {
                     continue;
                 };
                 let name = format!("{}.{}", quote(&relation.namespace), quote(&relation.name));
-                if row.operation == Operation::Truncate as i32 {
-                    // Every key of the table changes at once: the window
-                    // before it cannot be judged row by row.
-                    tables.remove(&name);
-                    continue;
-                }
-                if !relation.columns.iter().any(|c| c.key) {
-                    self.report
-                        .not_checked
-                        .insert(name, "no replica identity key to find rows by".into());
+                if relation.replica_identity == ReplicaIdentity::Full as i32
+                    || !relation.columns.iter().any(|c| c.key)
+                {
+                    // FULL identity marks every column a key: duplicates and
+                    // types without equality make rows unfindable by it.
+                    self.report.not_checked.insert(
+                        name,
+                        "no primary key or replica identity index to find rows by".into(),
+                    );
                     continue;
                 }
                 let entry = tables.entry(name).or_insert_with(|| table_writes(relation));
+                if row.operation == Operation::Truncate as i32 {
+                    // Every key changes at once: the table is not judged
+                    // row by row in a window holding a truncate.
+                    entry.truncated = true;
+                    continue;
+                }
                 for (key, write) in write_of(relation, row, env.commit_lsn, env.xid) {
                     entry.by_key.entry(key).or_default().push(write);
                     writes += 1;
                 }
             }
-            if writes >= MAX_WRITES {
-                break;
-            }
         }
-        Ok(tables)
+        Ok(Some(tables))
     }
 
     async fn column_types(&mut self, table: &str) -> Result<HashMap<String, String>, FlowError> {
@@ -189,25 +224,31 @@ impl Observer {
         Ok(types)
     }
 
+    /// Sets the session up as capture's: UTC, ISO dates.
+    pub async fn prepare(&self) -> Result<(), FlowError> {
+        self.target.batch_execute("SET TimeZone = 'UTC'").await?;
+        Ok(())
+    }
+
     /// One read: the checkpoint and the window's keys in one snapshot.
     async fn read_once(&mut self, log: &Log<FsStorage>) -> Result<(), FlowError> {
-        let window = self.window(log)?;
-        let mut types = HashMap::new();
-        for table in window.keys() {
-            types.insert(table.clone(), self.column_types(table).await?);
-        }
+        // The applier's cursor before the snapshot: at or below its
+        // checkpoint, since the cursor moves only after the target commit.
+        let cursor = log
+            .cursor(&crate::apply::cursor_name(&self.flow))
+            .map_or(log.first_offset(), |c| c.next_offset);
         self.target
             .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .await?;
-        let result = self.read_in_snapshot(&window, &types).await;
+        let result = self.read_in_snapshot(log, cursor).await;
         let _ = self.target.batch_execute("COMMIT").await;
         result
     }
 
     async fn read_in_snapshot(
         &mut self,
-        window: &BTreeMap<String, TableWrites>,
-        types: &HashMap<String, HashMap<String, String>>,
+        log: &Log<FsStorage>,
+        cursor: u64,
     ) -> Result<(), FlowError> {
         let checkpoint: Option<Lsn> = self
             .target
@@ -222,15 +263,27 @@ impl Observer {
             self.report.checkpoints += 1;
             self.last_checkpoint = checkpoint;
         }
+        let Some(window) = self.window(log, cursor, c)? else {
+            self.report.reads_unjudged += 1;
+            return Ok(());
+        };
+        let mut types = HashMap::new();
+        for table in window.keys() {
+            types.insert(table.clone(), self.column_types(table).await?);
+        }
         self.report.reads += 1;
         let mut in_flight = false;
-        for (table, writes) in window {
+        for (table, writes) in &window {
             let Some(types) = types.get(table).filter(|t| !t.is_empty()) else {
                 self.report
                     .not_checked
                     .insert(table.clone(), "missing on the target".into());
                 continue;
             };
+            if writes.truncated {
+                self.report.rows_unjudged += writes.by_key.len() as u64;
+                continue;
+            }
             in_flight |= writes.by_key.values().flatten().any(|w| w.commit > c);
             let rows = self.fetch(table, writes, types).await?;
             for (key, history) in &writes.by_key {
@@ -369,6 +422,7 @@ fn table_writes(relation: &RelationSchema) -> TableWrites {
             .collect(),
         columns: relation.columns.iter().map(|c| c.name.clone()).collect(),
         by_key: BTreeMap::new(),
+        truncated: false,
     }
 }
 

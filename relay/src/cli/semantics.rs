@@ -9,7 +9,7 @@ use super::Format;
 use super::flow::{flows, runtime};
 use crate::config;
 use crate::flow::{self, RunOptions};
-use crate::semantics::{Observer, SemanticsReport};
+use crate::semantics::Observer;
 use anyhow::Context;
 use serde_json::json;
 use std::path::PathBuf;
@@ -61,10 +61,11 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
     let text = args.format == Format::Text;
     let rt = runtime()?;
     let started = Instant::now();
-    let report = rt.block_on(async {
+    let (stopped, report) = rt.block_on(async {
         let (_, target_url) = flow::urls(f, *index)?;
         let target = flow::connect(&target_url, "target").await?;
         let mut observer = Observer::new(target, &f.name);
+        observer.prepare().await?;
         let mut progress = |line: &str| {
             if text {
                 println!("[{}] {line}", f.name);
@@ -77,10 +78,13 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
             until: Some(Duration::from_secs(args.duration)),
             watch: &mut observer,
         };
-        flow::run_watched(f, *index, &config_path, options, &mut progress)
+        // A flow that stops (say, a quarantined transaction) ends the
+        // observation; what was observed until then is still reported.
+        let stopped = flow::run_watched(f, *index, &config_path, options, &mut progress)
             .await
-            .with_context(|| format!("flow {}", f.name))?;
-        Ok::<SemanticsReport, anyhow::Error>(observer.report)
+            .with_context(|| format!("flow {}", f.name))
+            .err();
+        Ok::<_, anyhow::Error>((stopped, observer.report))
     })?;
     let seconds = started.elapsed().as_secs_f64();
     let verdict = if report.violations > 0 {
@@ -92,7 +96,9 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
     };
     let limits = [
         "keys whose earlier value lies before the log window around the applier (200 transactions each side) are not judged",
-        "tables without a key are not read; values are compared in their text form",
+        "a table is not judged in a read whose window holds a TRUNCATE of it",
+        "tables without a primary key or replica identity index (or with REPLICA IDENTITY FULL) are not read",
+        "values are compared as text in UTC: target columns must have the source's types",
     ];
     match args.format {
         Format::Text => {
@@ -105,6 +111,12 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
                 report.rows_compared,
                 report.rows_unjudged
             );
+            if report.reads_unjudged > 0 {
+                println!(
+                    "[{}] {} reads not judged: the applier was too far behind the log for the window",
+                    f.name, report.reads_unjudged
+                );
+            }
             for (table, why) in &report.not_checked {
                 println!("[{}] not checked: {table}: {why}", f.name);
             }
@@ -144,6 +156,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
                 "checkpoints_seen": report.checkpoints,
                 "rows_compared": report.rows_compared,
                 "rows_unjudged": report.rows_unjudged,
+                "reads_unjudged": report.reads_unjudged,
                 "violations": report.violations,
                 "findings": report.findings.iter().map(|x| json!({
                     "commit_lsn": x.commit_lsn.to_string(),
@@ -158,8 +171,12 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
             }))?
         ),
     }
+    if let Some(e) = &stopped {
+        eprintln!("error: the flow stopped during the observation: {e:#}");
+    }
     Ok(match verdict {
         "HALF_APPLIED" => ExitCode::from(EXIT_HALF_APPLIED),
+        _ if stopped.is_some() => ExitCode::from(EXIT_ERROR),
         "INCONCLUSIVE" => ExitCode::from(EXIT_INCONCLUSIVE),
         _ => ExitCode::SUCCESS,
     })

@@ -48,12 +48,13 @@ pub(super) fn read<S: Storage>(
     name: &str,
 ) -> Result<Option<Vec<u8>>, Error> {
     let dir = dir.join(META_DIR);
-    if !storage
-        .list(&dir)
-        .map(|names| names.iter().any(|n| n == name))
-        .unwrap_or(false)
-    {
-        return Ok(None);
+    // Only "no such directory" means "no metadata": any other error must
+    // not pass for absent pins.
+    match storage.list(&dir) {
+        Ok(names) if names.iter().any(|n| n == name) => {}
+        Ok(_) => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("list metadata directory", &dir)(e)),
     }
     let path = dir.join(name);
     let file = storage
