@@ -107,9 +107,23 @@ pub trait SnapshotIo: RunStore {
     async fn copy_table(&mut self, table: &str, snapshot: &str) -> Result<u64, SnapshotError>;
     /// Ends the exported snapshot: every table holds its boundary.
     async fn release_snapshot(&mut self);
-    /// Records the handoff: the checkpoint just below `consistent`, and the
+    /// Records the handoff: the flow's checkpoint at `checkpoint` (see
+    /// [`handoff_checkpoint`]) for the boundary `consistent`, and the
     /// previous boundary's quarantine records superseded.
-    async fn handoff(&mut self, consistent: Lsn) -> Result<(), SnapshotError>;
+    async fn handoff(&mut self, checkpoint: Lsn, consistent: Lsn) -> Result<(), SnapshotError>;
+}
+
+/// The checkpoint a handoff records for the boundary `consistent`. The
+/// snapshot holds every transaction that committed before the consistent
+/// point; one whose commit record starts exactly at it is not in the
+/// snapshot and is streamed. The applier skips commits at or below the
+/// checkpoint, so the checkpoint sits just below the boundary.
+pub fn handoff_checkpoint(consistent: Lsn) -> Lsn {
+    #[cfg(test)]
+    if mutation::CHECKPOINT_AT_BOUNDARY.with(std::cell::Cell::get) {
+        return consistent;
+    }
+    Lsn(consistent.0.saturating_sub(1))
 }
 
 /// Whether a flow must (re-)plan a snapshot before streaming: unless its
@@ -133,6 +147,8 @@ pub(crate) mod mutation {
     thread_local! {
         /// Continue an interrupted run instead of re-planning it.
         pub(crate) static CONTINUE_INTERRUPTED: Cell<bool> = const { Cell::new(false) };
+        /// Put the handoff checkpoint at the boundary, not just below it.
+        pub(crate) static CHECKPOINT_AT_BOUNDARY: Cell<bool> = const { Cell::new(false) };
     }
 }
 
@@ -286,7 +302,8 @@ pub(crate) async fn run_machine<I: SnapshotIo>(
     io.release_snapshot().await;
     advance(io, SnapshotState::Copied, None).await?;
     crash(hooks, CrashPoint::CopiedNotHandedOff)?;
-    io.handoff(slot.consistent).await?;
+    io.handoff(handoff_checkpoint(slot.consistent), slot.consistent)
+        .await?;
     advance(io, SnapshotState::StreamHandoffReady, None).await?;
     crash(hooks, CrashPoint::HandedOffNotStreaming)?;
     Ok(report)
@@ -426,13 +443,7 @@ impl SnapshotIo for PgSnapshot<'_> {
         self.repl = None;
     }
 
-    async fn handoff(&mut self, consistent: Lsn) -> Result<(), SnapshotError> {
-        // The snapshot holds every transaction that committed before the
-        // consistent point; one whose commit record starts exactly at it is
-        // not in the snapshot and is streamed. The applier skips commits at
-        // or below the checkpoint, so the checkpoint sits just below the
-        // boundary.
-        let below = Lsn(consistent.0.saturating_sub(1));
+    async fn handoff(&mut self, checkpoint: Lsn, consistent: Lsn) -> Result<(), SnapshotError> {
         self.target
             .execute(
                 "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid)
@@ -443,7 +454,7 @@ impl SnapshotIo for PgSnapshot<'_> {
                 &[
                     &self.flow.name,
                     &self.flow.source_id(),
-                    &below.to_string(),
+                    &checkpoint.to_string(),
                     &consistent.to_string(),
                 ],
             )

@@ -83,6 +83,10 @@ struct Source {
     publication: bool,
     slot: Option<Lsn>,
     snapshots: u32,
+    /// Exported snapshots by name, with their boundary.
+    exported: std::collections::HashMap<String, Lsn>,
+    /// Where the next transaction commits, when set (exactly at a boundary).
+    commit_at: Option<u64>,
 }
 
 fn relation(table: usize, extra: bool) -> RelationSchema {
@@ -150,6 +154,8 @@ impl Source {
             publication: false,
             slot: None,
             snapshots: 0,
+            exported: std::collections::HashMap::new(),
+            commit_at: None,
         }
     }
 
@@ -209,7 +215,10 @@ impl Source {
                 change(Operation::Insert, 0, Vec::new(), vec![text(&id), text("n")]),
             ));
         }
-        self.pos += 0x100 + self.rng.below(0x400);
+        self.pos = match self.commit_at.take() {
+            Some(at) => at,
+            None => self.pos + 0x100 + self.rng.below(0x400),
+        };
         self.txns.push(SrcTxn {
             commit: self.pos,
             extra: self.extra,
@@ -345,11 +354,18 @@ impl SnapshotIo for Io<'_> {
         let consistent = Lsn(self.source.pos + 1);
         self.source.slot = Some(consistent);
         self.source.snapshots += 1;
+        // Half the time the next transaction commits exactly at the
+        // boundary: in the stream, not in the snapshot.
+        if self.source.rng.below(2) == 0 {
+            self.source.commit_at = Some(consistent.0);
+        }
+        let snapshot = format!("00000003-{:08X}-1", self.source.snapshots);
+        self.source.exported.insert(snapshot.clone(), consistent);
         Ok((
             Slot {
                 name: "trellara_sim".into(),
                 consistent,
-                snapshot: format!("00000003-{:08X}-1", self.source.snapshots),
+                snapshot,
             },
             dropped,
         ))
@@ -363,7 +379,7 @@ impl SnapshotIo for Io<'_> {
         Ok(())
     }
 
-    async fn copy_table(&mut self, table: &str, _snapshot: &str) -> Result<u64, SnapshotError> {
+    async fn copy_table(&mut self, table: &str, snapshot: &str) -> Result<u64, SnapshotError> {
         // The source keeps committing while the run copies: those
         // transactions lie past the boundary, in the stream.
         for _ in 0..self.source.rng.below(3) {
@@ -383,8 +399,13 @@ impl SnapshotIo for Io<'_> {
             ));
         }
         let t = TABLES.iter().position(|n| *n == table).unwrap_or(0);
-        let consistent = self.target.committed.run.map_or(0, |r| r.2.0);
-        let rows = self.source.state_at(consistent)[t].clone();
+        // What the exported snapshot sees: commits before its boundary.
+        let Some(boundary) = self.source.exported.get(snapshot).copied() else {
+            return Err(SnapshotError::Simulated(format!(
+                "source: snapshot {snapshot} does not exist"
+            )));
+        };
+        let rows = self.source.state_at(boundary.0)[t].clone();
         let columns = self.source.columns(t);
         let db = self.target.begin_copy();
         let known = db.columns.get(table).cloned().unwrap_or_default();
@@ -426,10 +447,10 @@ impl SnapshotIo for Io<'_> {
 
     async fn release_snapshot(&mut self) {}
 
-    async fn handoff(&mut self, consistent: Lsn) -> Result<(), SnapshotError> {
+    async fn handoff(&mut self, checkpoint: Lsn, _consistent: Lsn) -> Result<(), SnapshotError> {
         let db = &mut self.target.committed;
         db.checkpoint = Some(CheckpointRow {
-            commit_lsn: Lsn(consistent.0.saturating_sub(1)),
+            commit_lsn: checkpoint,
             transactions: 0,
             duplicates: 0,
         });
@@ -717,6 +738,18 @@ mod tests {
                 .iter()
                 .all(|p| *p == 1)
         );
+    }
+
+    /// The mutation check: a handoff checkpoint at the boundary itself
+    /// skips the transaction that commits exactly there.
+    #[test]
+    fn a_checkpoint_at_the_boundary_is_caught() {
+        snapshot::mutation::CHECKPOINT_AT_BOUNDARY.with(|m| m.set(true));
+        let failed = (0..30)
+            .filter(|&seed| history(seed, SnapshotFault::Writes).is_err())
+            .count();
+        snapshot::mutation::CHECKPOINT_AT_BOUNDARY.with(|m| m.set(false));
+        assert!(failed >= 10, "only {failed} of 30 histories noticed");
     }
 
     /// The mutation check: continuing a run interrupted mid-copy (instead
