@@ -42,6 +42,9 @@ use std::time::Duration;
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// Records sent before waiting for their acknowledgements.
 const BATCH_RECORDS: usize = 1_000;
+/// After the partition's end is reported, how long nothing more must
+/// arrive before a read returns.
+const QUIET: Duration = Duration::from_millis(500);
 const PARTITION: i32 = 0;
 
 #[derive(Debug, thiserror::Error)]
@@ -260,6 +263,9 @@ impl Feed {
             .set("enable.partition.eof", "true")
             .set("auto.offset.reset", "earliest")
             .set("session.timeout.ms", "6000")
+            // Fetches return at once when the partition is drained, so a
+            // read's quiet period measures the broker, not a fetch wait.
+            .set("fetch.wait.max.ms", "10")
             .create()
             .map_err(|e| target.error(e))?;
         let feed = Feed { target, consumer };
@@ -293,14 +299,21 @@ impl Feed {
         self.consumer.assign(&tpl).map_err(|e| self.target.error(e))
     }
 
-    /// Up to `max` records from the current position; fewer (possibly
-    /// none) when the partition's end is reached.
+    /// Up to `max` records from the current position: everything there is,
+    /// read until the partition's end was reported and nothing more arrived
+    /// for [`QUIET`] (an end event can be one fetch old, and some brokers'
+    /// high watermarks are not to be trusted). Fewer, possibly none, when
+    /// that is all there is.
     pub fn read(&self, max: usize) -> Result<Vec<TopicRecord>, TransportError> {
         let mut out = Vec::new();
         let deadline = std::time::Instant::now() + TIMEOUT;
+        let mut quiet_since: Option<std::time::Instant> = None;
         while out.len() < max {
-            let Some(polled) = self.consumer.poll(Duration::from_millis(100)) else {
-                if std::time::Instant::now() > deadline {
+            if quiet_since.is_some_and(|t| t.elapsed() >= QUIET) {
+                break;
+            }
+            let Some(polled) = self.consumer.poll(Duration::from_millis(20)) else {
+                if quiet_since.is_none() && std::time::Instant::now() > deadline {
                     return Err(self.target.error(KafkaError::MessageConsumption(
                         RDKafkaErrorCode::OperationTimedOut,
                     )));
@@ -309,6 +322,7 @@ impl Feed {
             };
             match polled {
                 Ok(message) => {
+                    quiet_since = None;
                     let key: [u8; 8] = message
                         .key()
                         .and_then(|k| k.try_into().ok())
@@ -319,7 +333,9 @@ impl Feed {
                         payload: message.payload().unwrap_or_default().to_vec(),
                     });
                 }
-                Err(KafkaError::PartitionEOF(_)) => break,
+                Err(KafkaError::PartitionEOF(_)) => {
+                    quiet_since.get_or_insert_with(std::time::Instant::now);
+                }
                 Err(e) => return Err(self.target.error(e)),
             }
         }
