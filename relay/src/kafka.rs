@@ -22,9 +22,14 @@
 //! * **Commit after apply.** A Feed's group offset moves only when its
 //!   consumer says the records are applied.
 //!
+//! A [`Feed`] is also the applier's [`Records`]: the applier reads the topic
+//! and the group offset moves only after its target commit.
+//!
 //! Not wired into `trellara run` yet (`transport: kafka` is still refused by
-//! `check`); this is the transport itself, tested against a real broker.
+//! `check`); this is the transport itself, tested against a real broker and
+//! a real target.
 
+use crate::apply::{ApplyError, RecordReader, Records};
 use crate::crash::{CrashHooks, CrashPoint, NoCrash};
 use crate::log::storage::Storage;
 use crate::log::{CursorPosition, Log};
@@ -42,8 +47,7 @@ use std::time::Duration;
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// Records sent before waiting for their acknowledgements.
 const BATCH_RECORDS: usize = 1_000;
-/// After the partition's end is reported, how long nothing more must
-/// arrive before a read returns.
+/// How long nothing may arrive before a read returns what it has.
 const QUIET: Duration = Duration::from_millis(500);
 const PARTITION: i32 = 0;
 
@@ -300,29 +304,20 @@ impl Feed {
     }
 
     /// Up to `max` records from the current position: everything there is,
-    /// read until the partition's end was reported and nothing more arrived
-    /// for [`QUIET`] (an end event can be one fetch old, and some brokers'
-    /// high watermarks are not to be trusted). Fewer, possibly none, when
-    /// that is all there is.
+    /// read until nothing more arrived for [`QUIET`]. (The partition's end
+    /// event cannot decide it: it can be a fetch old, it comes once per
+    /// reaching the end, and some brokers' high watermarks are not to be
+    /// trusted.) Fewer, possibly none, when that is all there is.
     pub fn read(&self, max: usize) -> Result<Vec<TopicRecord>, TransportError> {
         let mut out = Vec::new();
-        let deadline = std::time::Instant::now() + TIMEOUT;
-        let mut quiet_since: Option<std::time::Instant> = None;
-        while out.len() < max {
-            if quiet_since.is_some_and(|t| t.elapsed() >= QUIET) {
-                break;
-            }
+        let mut last = std::time::Instant::now();
+        while out.len() < max && last.elapsed() < QUIET {
             let Some(polled) = self.consumer.poll(Duration::from_millis(20)) else {
-                if quiet_since.is_none() && std::time::Instant::now() > deadline {
-                    return Err(self.target.error(KafkaError::MessageConsumption(
-                        RDKafkaErrorCode::OperationTimedOut,
-                    )));
-                }
                 continue;
             };
             match polled {
                 Ok(message) => {
-                    quiet_since = None;
+                    last = std::time::Instant::now();
                     let key: [u8; 8] = message
                         .key()
                         .and_then(|k| k.try_into().ok())
@@ -333,9 +328,7 @@ impl Feed {
                         payload: message.payload().unwrap_or_default().to_vec(),
                     });
                 }
-                Err(KafkaError::PartitionEOF(_)) => {
-                    quiet_since.get_or_insert_with(std::time::Instant::now);
-                }
+                Err(KafkaError::PartitionEOF(_)) => {}
                 Err(e) => return Err(self.target.error(e)),
             }
         }
@@ -350,5 +343,61 @@ impl Feed {
         self.consumer
             .commit(&tpl, CommitMode::Sync)
             .map_err(|e| self.target.error(e))
+    }
+}
+
+/// The applier's reader over a feed: records in topic order, refilled from
+/// the broker until it reports nothing more.
+#[derive(Debug)]
+pub struct FeedReader<'a> {
+    feed: &'a Feed,
+    buffer: std::collections::VecDeque<TopicRecord>,
+    next: u64,
+    done: bool,
+}
+
+impl RecordReader for FeedReader<'_> {
+    fn next_record(&mut self) -> Result<Option<crate::log::Record>, ApplyError> {
+        if self.buffer.is_empty() && !self.done {
+            let read = self.feed.read(BATCH_RECORDS)?;
+            self.done = read.is_empty();
+            self.buffer.extend(read);
+        }
+        Ok(self.buffer.pop_front().map(|r| {
+            let offset = u64::try_from(r.offset).unwrap_or(0);
+            self.next = offset + 1;
+            crate::log::Record {
+                offset,
+                commit_lsn: r.commit_lsn,
+                payload: r.payload,
+            }
+        }))
+    }
+
+    fn next_offset(&self) -> u64 {
+        self.next
+    }
+}
+
+impl Records for Feed {
+    type Reader<'a> = FeedReader<'a>;
+
+    /// The group's committed offset (the consumer name is the group's).
+    fn start(&self, _consumer: &str) -> Result<u64, ApplyError> {
+        Ok(u64::try_from(self.committed()?).unwrap_or(0))
+    }
+
+    fn read_from(&self, offset: u64) -> Result<FeedReader<'_>, ApplyError> {
+        self.seek_to(i64::try_from(offset).unwrap_or(i64::MAX))?;
+        Ok(FeedReader {
+            feed: self,
+            buffer: std::collections::VecDeque::new(),
+            next: offset,
+            done: false,
+        })
+    }
+
+    fn applied(&self, _consumer: &str, offset: u64, _commit_lsn: u64) -> Result<(), ApplyError> {
+        Ok(self.commit(i64::try_from(offset).unwrap_or(i64::MAX) + 1)?)
     }
 }

@@ -48,6 +48,8 @@ pub enum ApplyError {
     Target(#[from] TargetError),
     #[error(transparent)]
     Log(#[from] crate::log::Error),
+    #[error(transparent)]
+    Transport(#[from] crate::kafka::TransportError),
     /// Only the simulator's crash hooks produce this.
     #[error("simulated crash at {0:?}")]
     Crashed(CrashPoint),
@@ -250,15 +252,15 @@ enum ChunkStep {
 /// Chunks of one transaction are consecutive with the same commit LSN and
 /// rising chunk index; a run cut short by a crash mid-append (its
 /// transaction was appended again whole after it) is skipped.
-fn next_transaction<S: Storage>(
-    reader: &mut crate::log::Reader<S>,
+fn next_transaction<D: RecordReader>(
+    reader: &mut D,
     pending: &mut Option<crate::log::Record>,
 ) -> Result<Next, ApplyError> {
     let mut envelopes: Vec<Envelope> = Vec::new();
     loop {
         let record = match pending.take() {
             Some(record) => record,
-            None => match reader.next().transpose()? {
+            None => match reader.next_record()? {
                 Some(record) => record,
                 None => return Ok(Next::End),
             },
@@ -320,6 +322,56 @@ pub fn cursor_name(flow: &str) -> String {
     format!("applier-{flow}")
 }
 
+/// Where the applier reads committed transactions from: the local log (the
+/// cursor `applier-<flow>`), or a Kafka feed (its consumer group's offset).
+/// Offsets are the source's own; `applied` is called only after the target
+/// committed everything up to the offset.
+pub trait Records {
+    type Reader<'a>: RecordReader
+    where
+        Self: 'a;
+    /// The offset of the next record to apply for `consumer`.
+    fn start(&self, consumer: &str) -> Result<u64, ApplyError>;
+    fn read_from(&self, offset: u64) -> Result<Self::Reader<'_>, ApplyError>;
+    /// Everything up to and including `offset` (of commit `commit_lsn`) is
+    /// applied.
+    fn applied(&self, consumer: &str, offset: u64, commit_lsn: u64) -> Result<(), ApplyError>;
+}
+
+/// Records in order from one position.
+pub trait RecordReader {
+    /// The next record; None at the end of what is there now.
+    fn next_record(&mut self) -> Result<Option<crate::log::Record>, ApplyError>;
+    /// The offset of the record `next_record` returns next.
+    fn next_offset(&self) -> u64;
+}
+
+impl<S: Storage> Records for Log<S> {
+    type Reader<'a> = crate::log::Reader<S>;
+
+    fn start(&self, consumer: &str) -> Result<u64, ApplyError> {
+        Ok(self.register_consumer(consumer)?.next_offset)
+    }
+
+    fn read_from(&self, offset: u64) -> Result<Self::Reader<'_>, ApplyError> {
+        Ok(Log::read_from(self, offset)?)
+    }
+
+    fn applied(&self, consumer: &str, offset: u64, commit_lsn: u64) -> Result<(), ApplyError> {
+        Ok(self.commit_cursor(consumer, CursorPosition::after(offset, commit_lsn))?)
+    }
+}
+
+impl<S: Storage> RecordReader for crate::log::Reader<S> {
+    fn next_record(&mut self) -> Result<Option<crate::log::Record>, ApplyError> {
+        Ok(self.next().transpose()?)
+    }
+
+    fn next_offset(&self) -> u64 {
+        crate::log::Reader::next_offset(self)
+    }
+}
+
 fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), Refusal> {
     if hooks.crash_at(point) {
         return Err(Refusal::Crashed(point));
@@ -377,15 +429,15 @@ impl<T: Target> Applier<T> {
     /// [`apply_log`](Applier::apply_log) over any storage, stopping at the
     /// crash points `hooks` names (the simulator's; production passes
     /// [`NoCrash`]).
-    pub async fn apply_log_with<S: Storage>(
+    pub async fn apply_log_with<R: Records>(
         &mut self,
-        log: &Log<S>,
+        log: &R,
         hooks: &dyn CrashHooks,
     ) -> Result<ApplyStats, ApplyError> {
         let name = cursor_name(&self.flow);
-        let start = log.register_consumer(&name)?;
+        let start = log.start(&name)?;
         let mut stats = ApplyStats::default();
-        let mut reader = log.read_from(start.next_offset)?;
+        let mut reader = log.read_from(start)?;
         let mut pending = None;
         loop {
             let mut batch: Vec<SourceTxn> = Vec::new();
@@ -449,9 +501,9 @@ impl<T: Target> Applier<T> {
     /// One target transaction for the whole batch; if it is refused, each
     /// transaction alone, so the one that cannot apply is the one
     /// quarantined and every one before it lands.
-    async fn apply_batch<S: Storage>(
+    async fn apply_batch<R: Records>(
         &mut self,
-        log: &Log<S>,
+        log: &R,
         cursor: &str,
         batch: &[SourceTxn],
         stats: &mut ApplyStats,
@@ -463,10 +515,7 @@ impl<T: Target> Applier<T> {
         if mutation::CURSOR_BEFORE_COMMIT.with(std::cell::Cell::get)
             && let Some(last) = batch.last()
         {
-            log.commit_cursor(
-                cursor,
-                CursorPosition::after(last.last_offset, last.commit_lsn),
-            )?;
+            log.applied(cursor, last.last_offset, last.commit_lsn)?;
         }
         match self.apply_transactions(batch, &mut tentative, hooks).await {
             Ok(()) => {
@@ -475,10 +524,7 @@ impl<T: Target> Applier<T> {
                     return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
                 }
                 if let Some(last) = batch.last() {
-                    log.commit_cursor(
-                        cursor,
-                        CursorPosition::after(last.last_offset, last.commit_lsn),
-                    )?;
+                    log.applied(cursor, last.last_offset, last.commit_lsn)?;
                 }
                 return Ok(());
             }
@@ -551,15 +597,19 @@ impl<T: Target> Applier<T> {
             let mut applied: Vec<&SourceTxn> = Vec::new();
             let mut settled = Vec::new();
             let mut pending = Pending::default();
+            // The checkpoint as this batch moves it: a redelivered copy in
+            // the same batch (Kafka's at-least-once tail) is a duplicate too.
+            let mut high = checkpoint;
             for txn in batch {
                 settled.push(Lsn(txn.commit_lsn));
-                if checkpoint.is_some_and(|c| c >= Lsn(txn.commit_lsn)) {
+                if high.is_some_and(|c| c >= Lsn(txn.commit_lsn)) {
                     stats.duplicates_skipped += 1;
                     continue;
                 }
                 for env in &txn.envelopes {
                     self.apply_envelope(env, stats, &mut pending).await?;
                 }
+                high = Some(Lsn(txn.commit_lsn));
                 applied.push(txn);
             }
             self.flush(&mut pending).await?;
@@ -596,11 +646,11 @@ impl<T: Target> Applier<T> {
     /// transaction: applied, incomplete (its last chunk is not durable yet;
     /// nothing applied, cursor unchanged), or restarted (the run was cut by
     /// a crash and a new transaction starts at the returned record).
-    async fn apply_chunked<S: Storage>(
+    async fn apply_chunked<R: Records>(
         &mut self,
-        log: &Log<S>,
+        log: &R,
         cursor: &str,
-        reader: &mut crate::log::Reader<S>,
+        reader: &mut R::Reader<'_>,
         run: ChunkedRun,
         stats: &mut ApplyStats,
         hooks: &dyn CrashHooks,
@@ -650,15 +700,14 @@ impl<T: Target> Applier<T> {
                     #[cfg(test)]
                     if mutation::CURSOR_BEFORE_COMMIT.with(std::cell::Cell::get) {
                         let last = reader.next_offset().saturating_sub(1);
-                        log.commit_cursor(cursor, CursorPosition::after(last, commit))
+                        log.applied(cursor, last, commit)
                             .map_err(|e| Refusal::Data(e.to_string()))?;
                     }
                     crash(hooks, CrashPoint::AppliedNotCommitted)?;
                     return Ok(ChunkStep::Done);
                 }
                 let Some(record) = reader
-                    .next()
-                    .transpose()
+                    .next_record()
                     .map_err(|e| Refusal::Data(e.to_string()))?
                 else {
                     return Ok(ChunkStep::Incomplete);
@@ -678,14 +727,14 @@ impl<T: Target> Applier<T> {
         let refusal = match outcome {
             Ok(ChunkStep::Done) => {
                 // The run's last chunk is the record just read.
-                let last = CursorPosition::after(reader.next_offset().saturating_sub(1), commit);
+                let last = reader.next_offset().saturating_sub(1);
                 match self.target.commit().await {
                     Ok(()) => {
                         accumulate(stats, tentative);
                         if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
                             return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
                         }
-                        log.commit_cursor(cursor, last)?;
+                        log.applied(cursor, last, commit)?;
                         return Ok(Chunked::Applied);
                     }
                     Err(refusal) => refusal,
