@@ -154,9 +154,17 @@ pub enum Transport {
         #[serde(default = "default_retention_mib")]
         retention_mib: u64,
     },
+    /// Store and forward to Kafka: the local log (as above) keeps the
+    /// source's acknowledgements fast and durable; a publisher forwards it
+    /// to `topic` (one partition) and the applier reads the topic.
     Kafka {
+        /// `host:port[,host:port...]`
         brokers: String,
         topic: String,
+        #[serde(default = "default_log_dir")]
+        log_dir: PathBuf,
+        #[serde(default = "default_retention_mib")]
+        retention_mib: u64,
     },
 }
 
@@ -243,7 +251,8 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
     }
     let base = path.parent().unwrap_or(Path::new("."));
     for flow in &mut config.flows {
-        if let Transport::Local { log_dir, .. } = &mut flow.transport
+        if let Transport::Local { log_dir, .. } | Transport::Kafka { log_dir, .. } =
+            &mut flow.transport
             && log_dir.is_relative()
         {
             *log_dir = base.join(&*log_dir);
@@ -380,12 +389,31 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
                 );
             }
         }
-        if let Transport::Kafka { .. } = flow.transport {
-            issue(
-                at("transport.kind"),
-                "kafka is not built yet in this release".into(),
-                "use kind: local",
-            );
+        if let Transport::Kafka { brokers, topic, .. } = &flow.transport {
+            let bad_broker = brokers.split(',').any(|b| {
+                b.trim()
+                    .rsplit_once(':')
+                    .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+            });
+            if bad_broker {
+                issue(
+                    at("transport.brokers"),
+                    format!("{brokers:?} is not host:port[,host:port...]"),
+                    "list the bootstrap brokers, e.g. 127.0.0.1:9092",
+                );
+            }
+            let topic_ok = !topic.is_empty()
+                && topic.len() <= 249
+                && topic
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+            if !topic_ok {
+                issue(
+                    at("transport.topic"),
+                    format!("{topic:?} is not a Kafka topic name"),
+                    "use 1-249 characters of a-z A-Z 0-9 . _ -",
+                );
+            }
         }
     }
     issues
@@ -432,15 +460,15 @@ impl Flow {
     /// The log's size limit in bytes (local transport).
     pub fn retention_bytes(&self) -> Option<u64> {
         match &self.transport {
-            Transport::Local { retention_mib, .. } => Some(retention_mib << 20),
-            Transport::Kafka { .. } => None,
+            Transport::Local { retention_mib, .. } | Transport::Kafka { retention_mib, .. } => {
+                Some(retention_mib << 20)
+            }
         }
     }
 
     pub fn log_dir(&self) -> Option<&Path> {
         match &self.transport {
-            Transport::Local { log_dir, .. } => Some(log_dir),
-            Transport::Kafka { .. } => None,
+            Transport::Local { log_dir, .. } | Transport::Kafka { log_dir, .. } => Some(log_dir),
         }
     }
 }
@@ -507,6 +535,24 @@ flows:
             ]
         );
         assert!(issues.iter().all(|i| !i.fix.is_empty()));
+    }
+
+    #[test]
+    fn kafka_transport_is_checked() {
+        let kafka = |brokers: &str, topic: &str| {
+            format!(
+                "{GOOD}    transport:\n      kind: kafka\n      brokers: \"{brokers}\"\n      topic: \"{topic}\"\n"
+            )
+        };
+        let good = parse(&kafka("127.0.0.1:9092,b:9093", "trellara.shop")).expect("parses");
+        assert!(validate(&good).is_empty(), "{:?}", validate(&good));
+        assert!(good.flows[0].log_dir().is_some(), "kafka keeps a local log");
+        let bad = validate(&parse(&kafka("nohost", "a/b")).expect("parses"));
+        let fields: Vec<&str> = bad.iter().map(|i| i.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            ["flows[0].transport.brokers", "flows[0].transport.topic"]
+        );
     }
 
     #[test]

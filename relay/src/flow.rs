@@ -11,6 +11,7 @@
 use crate::apply::{Applier, ApplyError, ApplyStats};
 use crate::capture::{self, CaptureConfig};
 use crate::config::{CapturePath, Flow};
+use crate::kafka::{Feed, KafkaTarget, Publisher};
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use crate::snapshot::{self, SnapshotReport};
 use crate::state::{self, SnapshotState};
@@ -350,6 +351,23 @@ pub async fn run_watched<W: Watch>(
         let _ = done_tx.send(true);
         result
     };
+    // Kafka: a publisher forwards the log to the topic and the applier
+    // reads the topic (store and forward); local: the applier reads the log.
+    let kafka = match &flow.transport {
+        crate::config::Transport::Kafka { brokers, topic, .. } => {
+            let target = KafkaTarget {
+                brokers: brokers.clone(),
+                topic: topic.clone(),
+            };
+            target.ensure_topic().await.map_err(ApplyError::from)?;
+            let publisher = Publisher::new(target.clone(), &flow.name).map_err(ApplyError::from)?;
+            let feed = Feed::new(target, &crate::apply::cursor_name(&flow.name))
+                .map_err(ApplyError::from)?;
+            progress(&format!("transport: kafka topic {topic} on {brokers}"));
+            Some((publisher, feed))
+        }
+        crate::config::Transport::Local { .. } => None,
+    };
     let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path);
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
@@ -357,7 +375,14 @@ pub async fn run_watched<W: Watch>(
         let mut last_retention = std::time::Instant::now();
         loop {
             let finished = *done_rx.borrow();
-            match applier.apply_log(&log).await {
+            let round = match &kafka {
+                None => applier.apply_log(&log).await,
+                Some((publisher, feed)) => match publisher.publish(&log).await {
+                    Ok(_) => applier.apply_log_with(feed, &crate::crash::NoCrash).await,
+                    Err(e) => Err(e.into()),
+                },
+            };
+            match round {
                 Ok(stats) => crate::apply::accumulate(&mut total, stats),
                 Err(e) => {
                     let _ = failed_tx.send(true);

@@ -25,9 +25,8 @@
 //! A [`Feed`] is also the applier's [`Records`]: the applier reads the topic
 //! and the group offset moves only after its target commit.
 //!
-//! Not wired into `trellara run` yet (`transport: kafka` is still refused by
-//! `check`); this is the transport itself, tested against a real broker and
-//! a real target.
+//! `trellara run` with `transport: kafka` publishes, then applies through a
+//! Feed, each round (`flow.rs`).
 
 use crate::apply::{ApplyError, RecordReader, Records};
 use crate::crash::{CrashHooks, CrashPoint, NoCrash};

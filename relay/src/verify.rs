@@ -415,7 +415,47 @@ pub async fn verify(
     if lock.is_none() && flow.log_dir().is_some_and(Path::exists) {
         limits.push("the log was not read: a running trellara process (run --follow or relay) holds it; its applier cursor is checked by that process".to_owned());
     }
-    if let (Some(dir), Some(_lock)) = (flow.log_dir(), &lock) {
+    if let (Some(dir), Some(_lock), crate::config::Transport::Kafka { topic, .. }) =
+        (flow.log_dir(), &lock, &flow.transport)
+    {
+        // Store and forward: the log up to the publisher's cursor is in
+        // the topic; the topic up to the checkpoint is applied.
+        let (log, _) = Log::open(FsStorage::new(), dir, LogConfig::default())?;
+        let published = log.cursor(&crate::kafka::publisher_cursor(&flow.name));
+        let next = published.map_or(log.first_offset(), |c| c.next_offset);
+        if next < log.next_offset() {
+            divergences.push(Divergence {
+                code: "WATERMARK_BEHIND",
+                detail: format!(
+                    "{} captured transactions are not published to topic {topic} yet (log offsets {next}..{})",
+                    log.next_offset() - next,
+                    log.next_offset()
+                ),
+                recovery: run.clone(),
+            });
+        }
+        let applied: Option<trellara_common::Lsn> = target
+            .query_opt(
+                "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1",
+                &[&flow.name],
+            )
+            .await
+            .map_err(VerifyError::Target)?
+            .and_then(|r| r.get::<_, String>(0).parse().ok());
+        if let Some(last) = published.and_then(|c| c.last_commit_lsn)
+            && applied.is_none_or(|a| a.0 < last)
+        {
+            divergences.push(Divergence {
+                code: "WATERMARK_BEHIND",
+                detail: format!(
+                    "topic {topic} holds transactions up to commit {} the target has not applied (checkpoint {})",
+                    trellara_common::Lsn(last),
+                    applied.map_or("none".to_owned(), |a| a.to_string())
+                ),
+                recovery: run.clone(),
+            });
+        }
+    } else if let (Some(dir), Some(_lock)) = (flow.log_dir(), &lock) {
         let (log, _) = Log::open(FsStorage::new(), dir, LogConfig::default())?;
         let cursor = log
             .cursor(&crate::apply::cursor_name(&flow.name))

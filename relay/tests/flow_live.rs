@@ -63,7 +63,7 @@ fn ok(out: &Output, what: &str) -> String {
 
 /// Runs `scenario` against each supported major, naming it on stderr so a
 /// failure says which one.
-fn on_every_major(scenario: fn(Major)) {
+fn on_every_major(scenario: impl Fn(Major)) {
     for major in Major::ALL {
         eprintln!("on {major}");
         scenario(major);
@@ -390,6 +390,68 @@ fn a_stopped_flow_does_not_hold_the_others_back_on(major: Major) {
             .psql_value("SELECT count(*) FROM public.line_items"),
         "{major}: the lines flow went on"
     );
+}
+
+#[test]
+fn the_public_loop_over_kafka_converges() {
+    let Some(broker) = trellara_tests::Broker::start() else {
+        return;
+    };
+    on_every_major(|major| {
+        let Some(p) = pair(major) else {
+            return;
+        };
+        let d = p.dir.path();
+        let config = std::fs::read_to_string(d.join("trellara.yml")).expect("config");
+        let topic = format!("trellara-shop-{}", major.number());
+        let kafka = config.replace(
+            "    kind: local\n",
+            &format!(
+                "    kind: kafka\n    brokers: {}\n    topic: {topic}\n",
+                broker.bootstrap()
+            ),
+        );
+        assert_ne!(kafka, config, "the transport section was rewritten");
+        std::fs::write(d.join("trellara.yml"), kafka).expect("write");
+        ok(
+            &trellara(d, &["check", "--config", "trellara.yml"]),
+            "check accepts kafka",
+        );
+        workload(&p.source, 1, 30);
+        let first = ok(
+            &trellara(
+                d,
+                &["run", "--config", "trellara.yml", "--local", "--verify"],
+            ),
+            "run",
+        );
+        assert!(
+            first.contains("transport: kafka topic") && first.contains("shop CONVERGED"),
+            "{major}: {first}"
+        );
+        // Streamed through the topic: more writes, applied from it.
+        workload(&p.source, 31, 40);
+        let out = trellara(
+            d,
+            &[
+                "run",
+                "--config",
+                "trellara.yml",
+                "--local",
+                "--verify",
+                "--format",
+                "json",
+            ],
+        );
+        let text = ok(&out, "second run");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(v[0]["result"], "CONVERGED", "{major}: {v}");
+        assert_eq!(v[0]["transactions_applied"], 40, "{major}: {v}");
+        assert_eq!(
+            p.target.psql_value("SELECT count(*) FROM public.orders"),
+            "70"
+        );
+    });
 }
 
 #[test]
