@@ -46,6 +46,7 @@ use std::time::Duration;
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// Records sent before waiting for their acknowledgements.
 const BATCH_RECORDS: usize = 1_000;
+const BATCH_BYTES: usize = 8 << 20;
 /// How long nothing may arrive before a read returns what it has.
 const QUIET: Duration = Duration::from_millis(500);
 const PARTITION: i32 = 0;
@@ -70,6 +71,9 @@ pub enum TransportError {
     /// Only the simulator's crash hooks produce this.
     #[error("simulated crash at {0:?}")]
     Crashed(CrashPoint),
+    /// A simulated broker failed (simulator only).
+    #[error("simulated failure: {0}")]
+    Simulated(String),
 }
 
 /// Where a flow's records go.
@@ -146,24 +150,31 @@ pub struct PublishStats {
     pub bytes: u64,
 }
 
-/// Forwards the log to the topic.
-pub struct Publisher {
-    target: KafkaTarget,
-    producer: FutureProducer,
-    cursor: String,
+/// Where a publisher's records go: the broker, or the simulator's topic.
+#[allow(async_fn_in_trait)] // one task; no Send bound needed
+pub trait Producer {
+    /// Sends `records` (commit LSN, payload) in order and returns once the
+    /// broker acknowledged every one of them; an error means some may have
+    /// landed (the publisher re-sends from its cursor: duplicates, no gap).
+    async fn send_batch(&self, records: &[(u64, Vec<u8>)]) -> Result<(), TransportError>;
 }
 
-impl std::fmt::Debug for Publisher {
+/// The real broker: idempotent, `acks=all`, partition 0.
+pub struct KafkaProducer {
+    target: KafkaTarget,
+    producer: FutureProducer,
+}
+
+impl std::fmt::Debug for KafkaProducer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Publisher")
+        f.debug_struct("KafkaProducer")
             .field("topic", &self.target.topic)
-            .field("cursor", &self.cursor)
             .finish_non_exhaustive()
     }
 }
 
-impl Publisher {
-    pub fn new(target: KafkaTarget, flow: &str) -> Result<Self, TransportError> {
+impl KafkaProducer {
+    pub fn new(target: KafkaTarget) -> Result<Self, TransportError> {
         let producer = target
             .client()
             .set("enable.idempotence", "true")
@@ -172,11 +183,55 @@ impl Publisher {
             .set("message.timeout.ms", "30000")
             .create()
             .map_err(|e| target.error(e))?;
-        Ok(Publisher {
-            target,
+        Ok(KafkaProducer { target, producer })
+    }
+}
+
+impl Producer for KafkaProducer {
+    async fn send_batch(&self, records: &[(u64, Vec<u8>)]) -> Result<(), TransportError> {
+        let mut pending = Vec::with_capacity(records.len());
+        for (commit_lsn, payload) in records {
+            let key = commit_lsn.to_be_bytes();
+            let sent = FutureRecord::to(&self.target.topic)
+                .partition(PARTITION)
+                .key(&key)
+                .payload(payload);
+            let delivery = self
+                .producer
+                .send_result(sent)
+                .map_err(|(e, _)| self.target.error(e))?;
+            pending.push(delivery);
+        }
+        for delivery in pending {
+            match delivery.await {
+                Ok(Ok(_)) => {}
+                Ok(Err((e, _))) => return Err(self.target.error(e)),
+                Err(_) => return Err(self.target.error(KafkaError::Canceled)),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Forwards the log to the topic.
+#[derive(Debug)]
+pub struct Publisher<P: Producer = KafkaProducer> {
+    producer: P,
+    cursor: String,
+}
+
+impl Publisher<KafkaProducer> {
+    pub fn new(target: KafkaTarget, flow: &str) -> Result<Self, TransportError> {
+        Ok(Publisher::with_producer(KafkaProducer::new(target)?, flow))
+    }
+}
+
+impl<P: Producer> Publisher<P> {
+    pub fn with_producer(producer: P, flow: &str) -> Self {
+        Publisher {
             producer,
             cursor: publisher_cursor(flow),
-        })
+        }
     }
 
     /// Publishes every durable record past the cursor, then moves it.
@@ -185,7 +240,11 @@ impl Publisher {
     }
 
     /// [`publish`](Self::publish), stopping at the crash points `hooks`
-    /// names (the simulator's and tests').
+    /// names (the simulator's and tests'). The cursor moves only to the end
+    /// of a whole transaction, so whatever is re-sent after a crash or a
+    /// failed batch starts at a transaction's first record: the applier
+    /// sees a cut chunk run followed by the run again, never a run that
+    /// resumes in its middle.
     pub async fn publish_with<S: Storage>(
         &self,
         log: &Log<S>,
@@ -195,40 +254,60 @@ impl Publisher {
         let mut stats = PublishStats::default();
         let mut reader = log.read_from(start.next_offset)?;
         loop {
-            let mut pending = Vec::with_capacity(BATCH_RECORDS);
-            let mut last = None;
-            for record in reader.by_ref().take(BATCH_RECORDS) {
-                let record = record?;
-                let key = record.commit_lsn.to_be_bytes();
-                let sent = FutureRecord::to(&self.target.topic)
-                    .partition(PARTITION)
-                    .key(&key)
-                    .payload(&record.payload);
-                let delivery = self
-                    .producer
-                    .send_result(sent)
-                    .map_err(|(e, _)| self.target.error(e))?;
+            let mut batch = Vec::with_capacity(BATCH_RECORDS);
+            let mut bytes = 0usize;
+            // The last record of this batch that ends a transaction.
+            let mut complete = None;
+            while batch.len() < BATCH_RECORDS && bytes < BATCH_BYTES {
+                let Some(record) = reader.next().transpose()? else {
+                    break;
+                };
                 stats.records += 1;
                 stats.bytes += record.payload.len() as u64;
-                last = Some((record.offset, record.commit_lsn));
-                pending.push(delivery);
-            }
-            let Some((offset, commit_lsn)) = last else {
-                return Ok(stats);
-            };
-            for delivery in pending {
-                match delivery.await {
-                    Ok(Ok(_)) => {}
-                    Ok(Err((e, _))) => return Err(self.target.error(e)),
-                    Err(_) => return Err(self.target.error(KafkaError::Canceled)),
+                bytes += record.payload.len();
+                #[cfg(test)]
+                let ends = ends_transaction(&record.payload)
+                    || mutation::CURSOR_MID_RUN.with(std::cell::Cell::get);
+                #[cfg(not(test))]
+                let ends = ends_transaction(&record.payload);
+                if ends {
+                    complete = Some((record.offset, record.commit_lsn));
                 }
+                batch.push((record.commit_lsn, record.payload));
             }
+            if batch.is_empty() {
+                return Ok(stats);
+            }
+            self.producer.send_batch(&batch).await?;
             if hooks.crash_at(CrashPoint::PublishedCursorNotMoved) {
                 return Err(TransportError::Crashed(CrashPoint::PublishedCursorNotMoved));
             }
-            log.commit_cursor(&self.cursor, CursorPosition::after(offset, commit_lsn))?;
+            if let Some((offset, commit_lsn)) = complete {
+                log.commit_cursor(&self.cursor, CursorPosition::after(offset, commit_lsn))?;
+            }
         }
     }
+}
+
+/// Test-only switches that break one rule each, for the simulator's
+/// mutation checks.
+#[cfg(test)]
+pub(crate) mod mutation {
+    use std::cell::Cell;
+    thread_local! {
+        /// Move the publisher's cursor in the middle of a chunk run.
+        pub(crate) static CURSOR_MID_RUN: Cell<bool> = const { Cell::new(false) };
+    }
+}
+
+/// Whether a log record is the last (or only) record of its transaction.
+/// A record that does not decode counts as whole: the applier quarantines
+/// it.
+fn ends_transaction(payload: &[u8]) -> bool {
+    trellara_common::envelope::decode(payload)
+        .ok()
+        .and_then(|e| e.boundary)
+        .is_none_or(|b| b.chunk_index + 1 >= b.chunk_count.max(1))
 }
 
 /// One record read from the topic.

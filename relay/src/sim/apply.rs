@@ -22,9 +22,11 @@
 //!   `trellara verify` calls CONVERGED).
 
 use super::target::{Db, SimTarget, Table};
+use super::topic::SimTopic;
 use super::{CrashOnce, Rng, sim_envelope, sim_log_config, sim_row};
 use crate::apply::{Applier, ApplyError, cursor_name};
 use crate::crash::CrashPoint;
+use crate::kafka::{Publisher, TransportError};
 use crate::log::storage::{SimCrash, SimStorage};
 use crate::log::{CursorPosition, Log};
 use trellara_common::Lsn;
@@ -52,6 +54,14 @@ pub(crate) enum ApplyFault {
     /// The log holds the first chunk of a chunked transaction cut by a
     /// relay crash, then the transaction again, whole.
     CutChunkRun,
+    /// Kafka transport: the relay dies after the broker acknowledged a
+    /// batch, before the publisher's cursor moved.
+    TopicPublishCrash,
+    /// Kafka transport: a batch fails after part of it landed.
+    TopicSendFails,
+    /// Kafka transport: the applier dies after the target commit, before
+    /// the group offset moved.
+    TopicApplierCrash,
 }
 
 /// What one simulated history did.
@@ -265,6 +275,16 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
     }
     let hooks = match fault {
         ApplyFault::Crash(point) => CrashOnce::new(point, nth),
+        ApplyFault::TopicApplierCrash => CrashOnce::new(CrashPoint::CommittedCursorNotMoved, nth),
+        _ => CrashOnce::never(),
+    };
+    let via_topic = matches!(
+        fault,
+        ApplyFault::TopicPublishCrash | ApplyFault::TopicSendFails | ApplyFault::TopicApplierCrash
+    );
+    let topic = SimTopic::failing_at((fault == ApplyFault::TopicSendFails).then_some(nth));
+    let publish_hooks = match fault {
+        ApplyFault::TopicPublishCrash => CrashOnce::new(CrashPoint::PublishedCursorNotMoved, nth),
         _ => CrashOnce::never(),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -300,8 +320,29 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
             stage += 1;
         }
         let durable = records[..cuts[stage]].last().map_or(0, |(lsn, _)| *lsn);
+        if via_topic {
+            // Store and forward: the publisher moves what is durable to the
+            // topic, then the applier reads the topic.
+            let publisher = Publisher::with_producer(&topic, "sim");
+            match runtime.block_on(publisher.publish_with(&log, &publish_hooks)) {
+                Ok(_) => {}
+                Err(TransportError::Crashed(_)) => {
+                    history.faults += 1;
+                    drop(log);
+                    storage.crash(SimCrash::LoseUnsynced);
+                    continue;
+                }
+                // The broker failed mid-batch: the next round re-sends.
+                Err(TransportError::Simulated(_)) => continue,
+                Err(e) => return Err(format!("seed {seed}: publish: {e}")),
+            }
+        }
         let mut applier = Applier::with_target(target, "sim", "sim", "trellara.yml");
-        let result = runtime.block_on(applier.apply_log_with(&log, &hooks));
+        let result = if via_topic {
+            runtime.block_on(applier.apply_log_with(&topic, &hooks))
+        } else {
+            runtime.block_on(applier.apply_log_with(&log, &hooks))
+        };
         target = applier.into_target();
         let when = format!("round {}", history.rounds);
         for db in std::mem::take(&mut target.observed) {
@@ -389,9 +430,68 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
             Err(e) => return Err(format!("seed {seed}: the applier failed: {e}")),
         }
     }
-    history.faults += target.fired;
+    history.faults += target.fired + topic.fired.get();
     finish(seed, &txns, fault, &target.committed, &history)?;
+    if via_topic {
+        check_topic(seed, &topic, &records, &target.committed)?;
+    }
     Ok(history)
+}
+
+/// The topic holds the log, in order, with at most repeated tails (the
+/// re-sends after a crash or a failed batch); the copies were skipped and
+/// counted by the applier.
+fn check_topic(seed: u64, topic: &SimTopic, log: &[(u64, Vec<u8>)], db: &Db) -> Result<(), String> {
+    let held = topic.records.borrow();
+    let mut seen = std::collections::HashSet::new();
+    let firsts: Vec<&(u64, Vec<u8>)> = held.iter().filter(|r| seen.insert(*r)).collect();
+    if firsts.len() != log.len() || firsts.iter().zip(log).any(|(a, b)| *a != b) {
+        return Err(format!(
+            "seed {seed}: the topic does not hold the log in order ({} distinct records of {})",
+            firsts.len(),
+            log.len()
+        ));
+    }
+    // Whatever is re-sent starts at a transaction's first record: a re-send
+    // that resumes in the middle of a chunk run could not be told from the
+    // run itself.
+    let mut seen_so_far = std::collections::HashSet::new();
+    let mut previous_new = true;
+    for r in held.iter() {
+        let new = seen_so_far.insert(r);
+        if !new && previous_new {
+            let first = envelope::decode(&r.1)
+                .ok()
+                .and_then(|e| e.boundary)
+                .is_none_or(|b| b.chunk_index == 0);
+            if !first {
+                return Err(format!(
+                    "seed {seed}: the topic re-sends commit {} from the middle of its chunk run",
+                    Lsn(r.0)
+                ));
+            }
+        }
+        previous_new = new;
+    }
+    // A copy is either skipped as a duplicate or, when it interleaves with
+    // a chunk run, absorbed as a cut run; a transaction whose every record
+    // went out twice must have been counted as a duplicate.
+    let mut sent: std::collections::HashMap<&(u64, Vec<u8>), usize> =
+        std::collections::HashMap::new();
+    for r in held.iter() {
+        *sent.entry(r).or_default() += 1;
+    }
+    let twice = log.iter().map(|r| r.0).any(|commit| {
+        log.iter()
+            .filter(|r| r.0 == commit)
+            .all(|r| sent.get(r) >= Some(&2))
+    });
+    if twice && db.checkpoint.is_none_or(|c| c.duplicates == 0) {
+        return Err(format!(
+            "seed {seed}: the topic holds a whole transaction twice, none counted as a duplicate"
+        ));
+    }
+    Ok(())
 }
 
 /// Deletes, behind Trellara's back, a committed row that a later source
@@ -499,6 +599,7 @@ fn finish(
         fault,
         ApplyFault::CommitLost { applied: true }
             | ApplyFault::Crash(CrashPoint::CommittedCursorNotMoved)
+            | ApplyFault::TopicApplierCrash
             | ApplyFault::Rewind
     );
     if redelivered && history.faults > 0 && checkpoint.duplicates == 0 {
@@ -564,6 +665,22 @@ mod tests {
             &mutation::IGNORE_CHECKPOINT,
             ApplyFault::Crash(CrashPoint::CommittedCursorNotMoved),
         );
+    }
+
+    /// The mutation check: a publisher that moves its cursor in the middle
+    /// of a chunk run makes a failed batch re-send the run from its middle,
+    /// and the applier loses the transaction; the simulator must say so.
+    #[test]
+    fn a_publisher_cursor_mid_run_is_caught() {
+        crate::kafka::mutation::CURSOR_MID_RUN.with(|m| m.set(true));
+        let failed = (0..60u64)
+            .filter(|&seed| {
+                history(seed, ApplyFault::TopicSendFails).is_err()
+                    || history(seed, ApplyFault::TopicPublishCrash).is_err()
+            })
+            .count();
+        crate::kafka::mutation::CURSOR_MID_RUN.with(|m| m.set(false));
+        assert!(failed >= 10, "only {failed} of 60 histories noticed");
     }
 
     /// A replayed history is the same history.

@@ -23,6 +23,7 @@ pub(crate) mod capture;
 pub(crate) mod relay;
 pub(crate) mod snapshot;
 pub(crate) mod target;
+pub(crate) mod topic;
 
 use crate::crash::{CrashHooks, CrashPoint};
 use crate::log::LogConfig;
@@ -310,7 +311,7 @@ macro_rules! target {
 }
 
 /// The matrix as built so far.
-pub const SCENARIOS: [Scenario; 42] = [
+pub const SCENARIOS: [Scenario; 45] = [
     relay_crash!(
         "SS-01",
         ReceivedNotAppended,
@@ -483,6 +484,31 @@ pub const SCENARIOS: [Scenario; 42] = [
         QUARANTINE_RECOVERY,
         "a target check constraint the source data breaks; repaired and replayed",
         "fail closed: quarantined, the flow stops at it, never skips it"
+    ),
+    Scenario {
+        id: "SS-15",
+        family: SOURCE,
+        simulation: "Kafka transport: relay crash after the broker acknowledged a batch, before the publisher's cursor moved",
+        invariant: "publish, then move the cursor: the tail is re-sent (duplicates, never a gap) and skipped by the checkpoint",
+        proof: SOURCE_PROOF,
+        recovery: "restart `trellara run`: the publisher re-sends from its cursor; the applier skips what the target holds",
+        run: Simulation::Apply(ApplyFault::TopicPublishCrash),
+    },
+    Scenario {
+        id: "SS-16",
+        family: SOURCE,
+        simulation: "Kafka transport: a batch fails after part of it reached the broker",
+        invariant: "the topic holds the log in order; partial batches are re-sent whole, copies skipped and counted",
+        proof: SOURCE_PROOF,
+        recovery: "fix the broker; the next round re-sends from the publisher's cursor",
+        run: Simulation::Apply(ApplyFault::TopicSendFails),
+    },
+    target!(
+        "TA-11",
+        ApplyFault::TopicApplierCrash,
+        TARGET_RECOVERY,
+        "Kafka transport: applier crash after the target commit, before the group offset moved",
+        "none applied twice: the redelivery is skipped and counted"
     ),
     target!(
         "TA-10",
