@@ -185,6 +185,40 @@ fn old_key(id: u64) -> (Vec<Column>, Vec<Value>) {
     )
 }
 
+/// An update of `id` to (`note`, `doc`) as pgoutput sends it and as it is
+/// captured; `old`: the key it had (a key-changing update).
+fn update(
+    xid: Option<u32>,
+    id: u64,
+    note: &str,
+    doc: (Column, value::Kind),
+    old: Option<u64>,
+) -> (Message, Option<u32>, change::Body) {
+    let (old_tuple, before) = match old {
+        Some(key) => {
+            let (columns, before) = old_key(key);
+            (Some((pg::OldKind::Key, columns)), before)
+        }
+        None => (None, Vec::new()),
+    };
+    let new = vec![text_column(&id.to_string()), text_column(note), doc.0];
+    let after = vec![
+        text_value(&id.to_string()),
+        text_value(note),
+        kind_value(doc.1),
+    ];
+    (
+        Message::Update(pg::Update {
+            xid,
+            relation: OID,
+            old: old_tuple,
+            new,
+        }),
+        Some(OID),
+        row_body(Operation::Update, before, after),
+    )
+}
+
 /// Generates one change of a transaction: the message (with `xid` inside a
 /// stream block) and the body the log must carry.
 struct Changes<'a> {
@@ -243,26 +277,8 @@ impl Changes<'_> {
             (2..=5, Some(id)) => {
                 // An update that leaves the TOASTed doc alone.
                 self.history.toast += 1;
-                let new = vec![
-                    text_column(&id.to_string()),
-                    text_column(&note),
-                    Column::UnchangedToast,
-                ];
-                let after = vec![
-                    text_value(&id.to_string()),
-                    text_value(&note),
-                    kind_value(value::Kind::UnchangedToast(true)),
-                ];
-                (
-                    Message::Update(pg::Update {
-                        xid,
-                        relation: OID,
-                        old: None,
-                        new,
-                    }),
-                    Some(OID),
-                    row_body(Operation::Update, Vec::new(), after),
-                )
+                let unchanged = (Column::UnchangedToast, value::Kind::UnchangedToast(true));
+                update(xid, id, &note, unchanged, None)
             }
             (6..=8, Some(old)) => {
                 // A key-changing update: located by its old key.
@@ -271,26 +287,12 @@ impl Changes<'_> {
                 *self.next_id += 1;
                 self.live.remove(&old);
                 self.live.insert(id);
-                let (old_columns, before) = old_key(old);
-                let new = vec![
-                    text_column(&id.to_string()),
-                    text_column(&note),
-                    Column::Null,
-                ];
-                let after = vec![
-                    text_value(&id.to_string()),
-                    text_value(&note),
-                    kind_value(value::Kind::Null(true)),
-                ];
-                (
-                    Message::Update(pg::Update {
-                        xid,
-                        relation: OID,
-                        old: Some((pg::OldKind::Key, old_columns)),
-                        new,
-                    }),
-                    Some(OID),
-                    row_body(Operation::Update, before, after),
+                update(
+                    xid,
+                    id,
+                    &note,
+                    (Column::Null, value::Kind::Null(true)),
+                    Some(old),
                 )
             }
             (9..=10, Some(old)) => {
