@@ -236,3 +236,38 @@ fn config_errors_name_the_file_and_the_fix() {
     ]);
     assert_eq!(again.status.code(), Some(1), "refuses to overwrite");
 }
+
+/// `trellara chaos run | head`: a reader that goes away ends the run
+/// quietly (SIGPIPE), never with a panic.
+#[test]
+fn chaos_run_into_a_closed_pipe_does_not_panic() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .args(["chaos", "run", "--seeds", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut first = [0u8; 16];
+    child
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_exact(&mut first)
+        .expect("some output");
+    // The reader is gone (its end of the pipe dropped above).
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr)
+        .expect("stderr");
+    let status = child.wait().expect("wait");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        status.success() || status.signal() == Some(13),
+        "{status:?}: {stderr}"
+    );
+}

@@ -44,7 +44,19 @@ enum ChaosCommand {
     },
 }
 
+/// The simulator opens no sockets or pipes of its own, so a closed stdout
+/// (`trellara chaos run | head`) may end it the conventional way, by
+/// SIGPIPE, instead of a panic in `println!` (Rust ignores SIGPIPE, which
+/// the relay's socket code relies on elsewhere).
+fn end_quietly_on_a_closed_pipe() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: restoring the default disposition installs no handler code;
+    // nothing else in this process depends on SIGPIPE being ignored.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+}
+
 pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
+    end_quietly_on_a_closed_pipe();
     let (family, seeds, first, format) = match args.command {
         ChaosCommand::Run {
             family,
