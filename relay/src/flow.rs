@@ -116,6 +116,22 @@ pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError>
     Ok(client)
 }
 
+/// The fingerprints the flow's snapshot copied its tables at (the tables'
+/// `namespace.name`), for capture to pin.
+async fn snapshot_pins(target: &Client, flow: &str) -> Result<HashMap<String, u64>, FlowError> {
+    let rows = target
+        .query(
+            "SELECT table_name, fingerprint FROM trellara.snapshot_tables
+             WHERE flow = $1 AND fingerprint IS NOT NULL",
+            &[&flow],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1) as u64))
+        .collect())
+}
+
 /// A URL without its password, for messages.
 pub fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
@@ -300,7 +316,7 @@ pub async fn run_watched<W: Watch>(
         chunk_bytes: 4 << 20,
         status_interval: Duration::from_millis(200),
         max_backoff: Duration::from_secs(10),
-        pinned: HashMap::new(),
+        pinned: snapshot_pins(&target, &flow.name).await?,
         floor,
         progress: Some(tx.clone()),
     };

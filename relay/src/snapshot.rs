@@ -474,6 +474,65 @@ impl SnapshotIo for PgSnapshot<'_> {
     }
 }
 
+/// The fingerprint of `qualified` as pgoutput's Relation message describes
+/// it, read from the catalog inside the open snapshot transaction (catalog
+/// rows are MVCC, so this is the schema at the snapshot): published columns
+/// (not dropped, not generated) in order with type OID and modifier, the
+/// replica identity, and the key flag pgoutput sets (every column under
+/// FULL, the primary key under DEFAULT, the identity index under INDEX).
+async fn fingerprint_at_snapshot(source: &Client, qualified: &str) -> Result<u64, SnapshotError> {
+    use trellara_common::envelope::{ColumnSchema, ReplicaIdentity};
+    let rows = source
+        .query(
+            "SELECT n.nspname::text, c.relname::text, c.relreplident::text, a.attname::text,
+                    a.atttypid::int8, a.atttypmod,
+                    CASE c.relreplident
+                        WHEN 'f' THEN true
+                        WHEN 'd' THEN coalesce(a.attnum = ANY (pk.indkey::int2[]), false)
+                        WHEN 'i' THEN coalesce(a.attnum = ANY (ri.indkey::int2[]), false)
+                        ELSE false END
+             FROM pg_class c
+             JOIN pg_namespace n ON n.oid = c.relnamespace
+             JOIN pg_attribute a ON a.attrelid = c.oid
+             LEFT JOIN pg_index pk ON pk.indrelid = c.oid AND pk.indisprimary
+             LEFT JOIN pg_index ri ON ri.indrelid = c.oid AND ri.indisreplident
+             WHERE c.oid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
+               AND a.attgenerated = ''
+             ORDER BY a.attnum",
+            &[&qualified],
+        )
+        .await
+        .map_err(SnapshotError::Source)?;
+    let Some(first) = rows.first() else {
+        return Err(SnapshotError::Table {
+            table: qualified.to_owned(),
+            problem: "has no columns at the snapshot".into(),
+            hint: "check the table on the source".into(),
+        });
+    };
+    let identity = match first.get::<_, String>(2).as_str() {
+        "f" => ReplicaIdentity::Full,
+        "n" => ReplicaIdentity::Nothing,
+        "i" => ReplicaIdentity::Index,
+        _ => ReplicaIdentity::Default,
+    };
+    let columns: Vec<ColumnSchema> = rows
+        .iter()
+        .map(|r| ColumnSchema {
+            name: r.get(3),
+            type_oid: u32::try_from(r.get::<_, i64>(4)).unwrap_or(0),
+            type_modifier: r.get(5),
+            key: r.get(6),
+        })
+        .collect();
+    Ok(trellara_common::fingerprint::fingerprint_parts(
+        &first.get::<_, String>(0),
+        &first.get::<_, String>(1),
+        identity as i32,
+        &columns,
+    ))
+}
+
 /// Copies one table at the exported snapshot, idempotently.
 async fn copy_table(
     table: &str,
@@ -539,12 +598,17 @@ async fn copy_table(
             sink.send(chunk).await.map_err(SnapshotError::Target)?;
         }
         let rows = sink.finish().await.map_err(SnapshotError::Target)?;
+        // The schema the copy saw, as the stream will describe it: capture
+        // pins it, so DDL between the boundary and the first streamed row
+        // stops capture instead of being taken for the schema.
+        let pinned = fingerprint_at_snapshot(source, &qualified).await?;
         target
             .execute(
-                "INSERT INTO trellara.snapshot_tables (flow, run_id, table_name, rows_copied)
-                 SELECT $1, run_id, $2, $3 FROM trellara.snapshot_runs WHERE flow = $1
-                 ON CONFLICT (flow, table_name) DO UPDATE SET rows_copied = EXCLUDED.rows_copied, copied_at = now()",
-                &[&flow, &table, &(rows as i64)],
+                "INSERT INTO trellara.snapshot_tables (flow, run_id, table_name, rows_copied, fingerprint)
+                 SELECT $1, run_id, $2, $3, $4 FROM trellara.snapshot_runs WHERE flow = $1
+                 ON CONFLICT (flow, table_name) DO UPDATE SET rows_copied = EXCLUDED.rows_copied,
+                    fingerprint = EXCLUDED.fingerprint, copied_at = now()",
+                &[&flow, &table, &(rows as i64), &(pinned as i64)],
             )
             .await
             .map_err(SnapshotError::Target)?;

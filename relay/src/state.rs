@@ -49,6 +49,8 @@ CREATE TABLE IF NOT EXISTS trellara.snapshot_tables (
     copied_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (flow, table_name)
 );
+-- The schema fingerprint the copy saw (capture pins it); added after 0.1.
+ALTER TABLE trellara.snapshot_tables ADD COLUMN IF NOT EXISTS fingerprint bigint;
 CREATE TABLE IF NOT EXISTS trellara.verify_runs (
     flow text NOT NULL,
     verified_at timestamptz NOT NULL DEFAULT now(),

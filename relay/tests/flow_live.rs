@@ -455,6 +455,57 @@ fn the_public_loop_over_kafka_converges() {
 }
 
 #[test]
+fn drift_between_the_snapshot_and_the_stream_stops_capture() {
+    on_every_major(|major| {
+        let Some(p) = pair(major) else {
+            return;
+        };
+        let d = p.dir.path();
+        workload(&p.source, 1, 5);
+        ok(
+            &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+            "run",
+        );
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT count(*) FROM trellara.snapshot_tables WHERE flow = 'shop' AND fingerprint IS NOT NULL"
+            ),
+            "2",
+            "{major}: the copy pinned both tables"
+        );
+        // Streamed rows under the copied schema pass its pin: the catalog's
+        // fingerprint is the one pgoutput's Relation message carries.
+        p.source
+            .psql("INSERT INTO public.line_items VALUES (1, 9, 1, 1, 'n')");
+        ok(
+            &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+            "run under the pinned schema",
+        );
+        // DDL after the boundary, before any streamed row of the table, on
+        // both sides: the first row under it must stop capture, not become
+        // the pin.
+        for side in [&p.source, &p.target] {
+            side.psql("ALTER TABLE public.orders ADD COLUMN region text");
+        }
+        p.source
+            .psql("INSERT INTO public.orders VALUES (100, 'c', 0, 'eu')");
+        let out = trellara(d, &["run", "--config", "trellara.yml", "--local"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{major}: {err}");
+        assert!(
+            err.contains("schema drift on public.orders"),
+            "{major}: {err}"
+        );
+        assert_eq!(
+            p.target
+                .psql_value("SELECT count(*) FROM public.orders WHERE id = 100"),
+            "0",
+            "{major}: no row under the new schema landed"
+        );
+    });
+}
+
+#[test]
 fn quarantine_repair_and_replay() {
     on_every_major(quarantine_repair_and_replay_on);
 }
