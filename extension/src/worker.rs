@@ -318,6 +318,26 @@ pub extern "C-unwind" fn trellara_worker_main(arg: pg_sys::Datum) {
     // pg_reload_conf() that configured them: read the files ourselves.
     // SAFETY: the standard SIGHUP processing, outside any transaction.
     unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+    // Values are written by the types' output functions in this session:
+    // the same settings as the external path's replication sessions
+    // (times in UTC, ISO dates), so both paths write the same text.
+    for (name, value) in [
+        (c"TimeZone", c"UTC"),
+        (c"DateStyle", c"ISO"),
+        (c"IntervalStyle", c"postgres"),
+        (c"extra_float_digits", c"3"),
+    ] {
+        // SAFETY: valid NUL-terminated names and values; session-level GUC
+        // assignments in a connected background worker.
+        unsafe {
+            pg_sys::SetConfigOption(
+                name.as_ptr(),
+                value.as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+            );
+        }
+    }
     queue.set_state_unless_failed(WorkerState::Starting, "");
     let config = match Config::read() {
         Ok(config) => config,

@@ -61,7 +61,9 @@ impl Native {
             .setting("trellara.socket_path", socket.display().to_string())
             .setting("trellara.max_backoff", "500")
             // Small, so the large transactions below spill in the server.
-            .setting("logical_decoding_work_mem", "64kB");
+            .setting("logical_decoding_work_mem", "64kB")
+            // Not UTC: the worker must still write times in UTC.
+            .setting("timezone", "Asia/Tokyo");
         let cluster = test_cluster(major, &options)?;
         cluster.psql("CREATE EXTENSION trellara");
         cluster.psql(&format!(
@@ -71,6 +73,7 @@ impl Native {
             "CREATE TABLE public.xids (xid bigint PRIMARY KEY);
              CREATE TABLE public.items (id bigint PRIMARY KEY, body text, qty int);
              CREATE TABLE public.notes (id bigint, note text);
+             CREATE TABLE public.times (id int PRIMARY KEY, at timestamptz);
              ALTER TABLE public.notes REPLICA IDENTITY FULL;",
         );
         Some(Native {
@@ -297,6 +300,11 @@ fn worker_captures_every_change_kind() {
              DELETE FROM public.items WHERE id = 1;
              INSERT INTO public.xids VALUES (txid_current()); COMMIT;",
         );
+        // A time, written by the worker in UTC whatever the server's zone.
+        c.psql(
+            "BEGIN; INSERT INTO public.times VALUES (1, '2026-01-02 03:04:05+00');
+             INSERT INTO public.xids VALUES (txid_current()); COMMIT;",
+        );
         // Large TOASTed value, then an update of another column only.
         c.psql(
             "BEGIN; INSERT INTO public.items VALUES (2, (SELECT string_agg(md5(i::text), '') FROM generate_series(1, 4000) i), 1);
@@ -323,6 +331,7 @@ fn worker_captures_every_change_kind() {
         let mut unchanged_toast = 0;
         let mut full_before = 0;
         let mut big_rows = 0;
+        let mut time_text = None;
         for record in log.read_from(log.first_offset()).expect("read") {
             let env = envelope::decode(&record.expect("record").payload).expect("envelope");
             let table = |id: u32| {
@@ -350,10 +359,21 @@ fn worker_captures_every_change_kind() {
                 if relation == "public.items" && op == envelope::Operation::Insert {
                     big_rows += 1;
                 }
+                if relation == "public.times" {
+                    time_text = row.after.get(1).and_then(|v| match &v.kind {
+                        Some(value::Kind::Text(t)) => Some(t.clone()),
+                        _ => None,
+                    });
+                }
             }
         }
         drop(log);
         assert!(big_rows >= 20_000, "{big_rows} item inserts");
+        assert_eq!(
+            time_text.as_deref(),
+            Some("2026-01-02 03:04:05+00"),
+            "{major}: times in UTC, as the external path writes them"
+        );
         assert!(
             unchanged_toast >= 1,
             "the TOASTed body is marked unchanged, not NULL"
