@@ -253,17 +253,21 @@ impl<P: Producer> Publisher<P> {
         let start = log.register_consumer(&self.cursor)?;
         let mut stats = PublishStats::default();
         let mut reader = log.read_from(start.next_offset)?;
+        // The last batch sent ended inside a transaction's chunk run.
+        let mut mid_run = false;
         loop {
             let mut batch = Vec::with_capacity(BATCH_RECORDS);
             let mut bytes = 0usize;
-            // The last record of this batch that ends a transaction.
+            // The last record of this batch that ends a transaction, and
+            // how many records lead up to it.
             let mut complete = None;
+            let mut complete_len = 0;
+            let mut at_end = false;
             while batch.len() < BATCH_RECORDS && bytes < BATCH_BYTES {
                 let Some(record) = reader.next().transpose()? else {
+                    at_end = true;
                     break;
                 };
-                stats.records += 1;
-                stats.bytes += record.payload.len() as u64;
                 bytes += record.payload.len();
                 #[cfg(test)]
                 let ends = ends_transaction(&record.payload)
@@ -272,18 +276,31 @@ impl<P: Producer> Publisher<P> {
                 let ends = ends_transaction(&record.payload);
                 if ends {
                     complete = Some((record.offset, record.commit_lsn));
+                    complete_len = batch.len() + 1;
                 }
                 batch.push((record.commit_lsn, record.payload));
+            }
+            if at_end && !mid_run {
+                // The log ends inside a transaction still being appended:
+                // it goes out whole once it is complete, not again and
+                // again as it grows.
+                batch.truncate(complete_len);
             }
             if batch.is_empty() {
                 return Ok(stats);
             }
+            stats.records += batch.len() as u64;
+            stats.bytes += batch.iter().map(|(_, p)| p.len() as u64).sum::<u64>();
             self.producer.send_batch(&batch).await?;
             if hooks.crash_at(CrashPoint::PublishedCursorNotMoved) {
                 return Err(TransportError::Crashed(CrashPoint::PublishedCursorNotMoved));
             }
             if let Some((offset, commit_lsn)) = complete {
                 log.commit_cursor(&self.cursor, CursorPosition::after(offset, commit_lsn))?;
+            }
+            mid_run = complete_len < batch.len();
+            if at_end {
+                return Ok(stats);
             }
         }
     }

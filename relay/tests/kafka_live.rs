@@ -224,3 +224,30 @@ fn the_applier_reads_the_topic_and_moves_the_group_offset_after_the_target() {
     assert_eq!(target.psql_value("SELECT count(*) FROM public.sales"), "35");
     assert_eq!(feed.committed().expect("committed"), 40);
 }
+
+/// A transaction still being appended (its chunk run incomplete at the
+/// log's end) goes out once, whole, when it is complete.
+#[test]
+fn an_incomplete_chunk_run_is_published_once_complete() {
+    let Some(broker) = Broker::start() else {
+        return;
+    };
+    let rt = runtime();
+    let topic = KafkaTarget {
+        brokers: broker.bootstrap(),
+        topic: "trellara-runs".into(),
+    };
+    rt.block_on(topic.ensure_topic()).expect("topic");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("log");
+    let chunk = |index| envelope::encode(&sample::chunk(0x4000_0000, index, 2)).expect("valid");
+    log.append(0x4000_0000, &chunk(0)).expect("append");
+    let publisher = Publisher::new(topic.clone(), "runs").expect("publisher");
+    let first = rt.block_on(publisher.publish(&log)).expect("publish");
+    assert_eq!(first.records, 0, "half a transaction is not published");
+    log.append(0x4000_0000, &chunk(1)).expect("append");
+    let second = rt.block_on(publisher.publish(&log)).expect("publish");
+    assert_eq!(second.records, 2, "the whole run, once");
+    let feed = Feed::new(topic, "g").expect("feed");
+    assert_eq!(feed.read(100).expect("read").len(), 2);
+}
