@@ -300,6 +300,7 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
     }
     let mut names = std::collections::HashSet::new();
     let mut log_dirs = std::collections::HashSet::new();
+    let mut topics = std::collections::HashSet::new();
     for (i, flow) in config.flows.iter().enumerate() {
         let at = |field: &str| format!("flows[{i}].{field}");
         if !valid_name(&flow.name) {
@@ -388,6 +389,15 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
                     "qualify the table, e.g. public.sales",
                 );
             }
+        }
+        if let Transport::Kafka { topic, .. } = &flow.transport
+            && !topics.insert(topic.clone())
+        {
+            issue(
+                at("transport.topic"),
+                format!("{topic:?} is the topic of another flow"),
+                "give each flow its own topic: each applier applies all it reads",
+            );
         }
         if let Transport::Kafka { brokers, topic, .. } = &flow.transport {
             let bad_broker = brokers.split(',').any(|b| {

@@ -116,6 +116,30 @@ pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError>
     Ok(client)
 }
 
+/// Whether the target's checkpoint has reached the last commit the Kafka
+/// publisher sent.
+async fn applied_all_published(
+    applier: &Applier,
+    log: &Log<FsStorage>,
+    flow: &str,
+) -> Result<bool, ApplyError> {
+    let Some(published) = log
+        .cursor(&crate::kafka::publisher_cursor(flow))
+        .and_then(|c| c.last_commit_lsn)
+    else {
+        return Ok(true);
+    };
+    let applied: Option<Lsn> = applier
+        .client()
+        .query_opt(
+            "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1",
+            &[&flow],
+        )
+        .await?
+        .and_then(|r| r.get::<_, String>(0).parse().ok());
+    Ok(applied.is_some_and(|a| a.0 >= published))
+}
+
 /// The fingerprints the flow's snapshot copied its tables at (the tables'
 /// `namespace.name`), for capture to pin.
 async fn snapshot_pins(target: &Client, flow: &str) -> Result<HashMap<String, u64>, FlowError> {
@@ -403,6 +427,27 @@ pub async fn run_watched<W: Watch>(
                 Err(e) => {
                     let _ = failed_tx.send(true);
                     return Err(e);
+                }
+            }
+            if finished && let Some((_, feed)) = &kafka {
+                // Caught up means applied through everything published: a
+                // topic read can end on a quiet broker before it did.
+                let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                while !applied_all_published(&applier, &log, &flow.name).await? {
+                    if std::time::Instant::now() > deadline {
+                        let _ = failed_tx.send(true);
+                        return Err(crate::kafka::TransportError::Undelivered {
+                            flow: flow.name.clone(),
+                        }
+                        .into());
+                    }
+                    match applier.apply_log_with(feed, &crate::crash::NoCrash).await {
+                        Ok(stats) => crate::apply::accumulate(&mut total, stats),
+                        Err(e) => {
+                            let _ = failed_tx.send(true);
+                            return Err(e);
+                        }
+                    }
                 }
             }
             if finished || last_retention.elapsed() >= RETENTION_EVERY {

@@ -47,6 +47,10 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 /// Records sent before waiting for their acknowledgements.
 const BATCH_RECORDS: usize = 1_000;
 const BATCH_BYTES: usize = 8 << 20;
+/// The largest record the producer and the topic accept (64 MiB).
+const MAX_RECORD_BYTES: &str = "67108864";
+/// Bytes one feed read holds at most (besides one record past it).
+const READ_BYTES: usize = 32 << 20;
 /// How long nothing may arrive before a read returns what it has.
 const QUIET: Duration = Duration::from_millis(500);
 const PARTITION: i32 = 0;
@@ -71,6 +75,10 @@ pub enum TransportError {
     /// Only the simulator's crash hooks produce this.
     #[error("simulated crash at {0:?}")]
     Crashed(CrashPoint),
+    #[error(
+        "flow {flow}: the topic did not deliver everything published within 60 s\nhint: check the broker, then rerun"
+    )]
+    Undelivered { flow: String },
     /// A simulated broker failed (simulator only).
     #[error("simulated failure: {0}")]
     Simulated(String),
@@ -105,7 +113,11 @@ impl KafkaTarget {
     pub async fn ensure_topic(&self) -> Result<(), TransportError> {
         let admin: AdminClient<DefaultClientContext> =
             self.client().create().map_err(|e| self.error(e))?;
-        let topic = NewTopic::new(&self.topic, 1, TopicReplication::Fixed(1));
+        // Records as large as an envelope; kept until deleted on purpose
+        // (never compacted: every chunk of a transaction shares its key).
+        let topic = NewTopic::new(&self.topic, 1, TopicReplication::Fixed(1))
+            .set("max.message.bytes", MAX_RECORD_BYTES)
+            .set("cleanup.policy", "delete");
         let results = admin
             .create_topics(
                 [&topic],
@@ -179,6 +191,8 @@ impl KafkaProducer {
             .client()
             .set("enable.idempotence", "true")
             .set("acks", "all")
+            // Envelopes run to the capture's chunk size (4 MiB) and more.
+            .set("message.max.bytes", MAX_RECORD_BYTES)
             .set("linger.ms", "1")
             .set("message.timeout.ms", "30000")
             .create()
@@ -218,6 +232,8 @@ impl Producer for KafkaProducer {
 pub struct Publisher<P: Producer = KafkaProducer> {
     producer: P,
     cursor: String,
+    /// Records per batch sent before waiting for the broker.
+    batch_records: usize,
 }
 
 impl Publisher<KafkaProducer> {
@@ -231,7 +247,14 @@ impl<P: Producer> Publisher<P> {
         Publisher {
             producer,
             cursor: publisher_cursor(flow),
+            batch_records: BATCH_RECORDS,
         }
+    }
+
+    /// Smaller batches (the simulator's, so runs span batches).
+    pub fn with_batch_records(mut self, records: usize) -> Self {
+        self.batch_records = records.max(1);
+        self
     }
 
     /// Publishes every durable record past the cursor, then moves it.
@@ -253,38 +276,37 @@ impl<P: Producer> Publisher<P> {
         let start = log.register_consumer(&self.cursor)?;
         let mut stats = PublishStats::default();
         let mut reader = log.read_from(start.next_offset)?;
-        // The last batch sent ended inside a transaction's chunk run.
-        let mut mid_run = false;
         loop {
-            let mut batch = Vec::with_capacity(BATCH_RECORDS);
+            let mut batch = Vec::with_capacity(self.batch_records);
             let mut bytes = 0usize;
-            // The last record of this batch that ends a transaction, and
-            // how many records lead up to it.
+            // The last record of this batch that ends a transaction.
             let mut complete = None;
-            let mut complete_len = 0;
-            let mut at_end = false;
-            while batch.len() < BATCH_RECORDS && bytes < BATCH_BYTES {
+            let mut held_back = false;
+            while batch.len() < self.batch_records && bytes < BATCH_BYTES {
                 let Some(record) = reader.next().transpose()? else {
-                    at_end = true;
                     break;
                 };
+                let boundary = boundary_of(&record.payload);
+                // A transaction still being appended (its run not all in
+                // the log yet) goes out once, whole, when it is complete,
+                // not again and again as it grows.
+                if let Some((0, count)) = boundary
+                    && count > 1
+                    && record.offset + u64::from(count) > log.next_offset()
+                {
+                    held_back = true;
+                    break;
+                }
                 bytes += record.payload.len();
                 #[cfg(test)]
-                let ends = ends_transaction(&record.payload)
+                let ends = ends_transaction(boundary)
                     || mutation::CURSOR_MID_RUN.with(std::cell::Cell::get);
                 #[cfg(not(test))]
-                let ends = ends_transaction(&record.payload);
+                let ends = ends_transaction(boundary);
                 if ends {
                     complete = Some((record.offset, record.commit_lsn));
-                    complete_len = batch.len() + 1;
                 }
                 batch.push((record.commit_lsn, record.payload));
-            }
-            if at_end && !mid_run {
-                // The log ends inside a transaction still being appended:
-                // it goes out whole once it is complete, not again and
-                // again as it grows.
-                batch.truncate(complete_len);
             }
             if batch.is_empty() {
                 return Ok(stats);
@@ -298,8 +320,7 @@ impl<P: Producer> Publisher<P> {
             if let Some((offset, commit_lsn)) = complete {
                 log.commit_cursor(&self.cursor, CursorPosition::after(offset, commit_lsn))?;
             }
-            mid_run = complete_len < batch.len();
-            if at_end {
+            if held_back {
                 return Ok(stats);
             }
         }
@@ -317,14 +338,19 @@ pub(crate) mod mutation {
     }
 }
 
-/// Whether a log record is the last (or only) record of its transaction.
-/// A record that does not decode counts as whole: the applier quarantines
-/// it.
-fn ends_transaction(payload: &[u8]) -> bool {
+/// A log record's (chunk index, chunk count); None for a whole envelope or
+/// one that does not decode (the applier quarantines it).
+fn boundary_of(payload: &[u8]) -> Option<(u32, u32)> {
     trellara_common::envelope::decode(payload)
         .ok()
         .and_then(|e| e.boundary)
-        .is_none_or(|b| b.chunk_index + 1 >= b.chunk_count.max(1))
+        .map(|b| (b.chunk_index, b.chunk_count.max(1)))
+}
+
+/// Whether a record with `boundary` is the last (or only) of its
+/// transaction.
+fn ends_transaction(boundary: Option<(u32, u32)>) -> bool {
+    boundary.is_none_or(|(index, count)| index + 1 >= count)
 }
 
 /// One record read from the topic.
@@ -360,7 +386,9 @@ impl Feed {
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
             .set("enable.partition.eof", "true")
-            .set("auto.offset.reset", "earliest")
+            // A committed offset the topic no longer holds (retention ran
+            // past it) is an error, never a silent skip to what is left.
+            .set("auto.offset.reset", "error")
             .set("session.timeout.ms", "6000")
             // Fetches return at once when the partition is drained, so a
             // read's quiet period measures the broker, not a fetch wait.
@@ -405,8 +433,9 @@ impl Feed {
     /// trusted.) Fewer, possibly none, when that is all there is.
     pub fn read(&self, max: usize) -> Result<Vec<TopicRecord>, TransportError> {
         let mut out = Vec::new();
+        let mut bytes = 0usize;
         let mut last = std::time::Instant::now();
-        while out.len() < max && last.elapsed() < QUIET {
+        while out.len() < max && bytes < READ_BYTES && last.elapsed() < QUIET {
             let Some(polled) = self.consumer.poll(Duration::from_millis(20)) else {
                 continue;
             };
@@ -417,6 +446,7 @@ impl Feed {
                         .key()
                         .and_then(|k| k.try_into().ok())
                         .unwrap_or_default();
+                    bytes += message.payload().map_or(0, <[u8]>::len);
                     out.push(TopicRecord {
                         offset: message.offset(),
                         commit_lsn: u64::from_be_bytes(key),

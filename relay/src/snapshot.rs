@@ -479,7 +479,8 @@ impl SnapshotIo for PgSnapshot<'_> {
 /// rows are MVCC, so this is the schema at the snapshot): published columns
 /// (not dropped, not generated) in order with type OID and modifier, the
 /// replica identity, and the key flag pgoutput sets (every column under
-/// FULL, the primary key under DEFAULT, the identity index under INDEX).
+/// FULL, the key columns - not INCLUDE ones - of an immediate, valid
+/// primary key under DEFAULT, of the identity index under INDEX).
 async fn fingerprint_at_snapshot(source: &Client, qualified: &str) -> Result<u64, SnapshotError> {
     use trellara_common::envelope::{ColumnSchema, ReplicaIdentity};
     let rows = source
@@ -488,13 +489,14 @@ async fn fingerprint_at_snapshot(source: &Client, qualified: &str) -> Result<u64
                     a.atttypid::int8, a.atttypmod,
                     CASE c.relreplident
                         WHEN 'f' THEN true
-                        WHEN 'd' THEN coalesce(a.attnum = ANY (pk.indkey::int2[]), false)
-                        WHEN 'i' THEN coalesce(a.attnum = ANY (ri.indkey::int2[]), false)
+                        WHEN 'd' THEN coalesce(a.attnum = ANY ((pk.indkey::int2[])[0:pk.indnkeyatts - 1]), false)
+                        WHEN 'i' THEN coalesce(a.attnum = ANY ((ri.indkey::int2[])[0:ri.indnkeyatts - 1]), false)
                         ELSE false END
              FROM pg_class c
              JOIN pg_namespace n ON n.oid = c.relnamespace
              JOIN pg_attribute a ON a.attrelid = c.oid
              LEFT JOIN pg_index pk ON pk.indrelid = c.oid AND pk.indisprimary
+                 AND pk.indimmediate AND pk.indisvalid
              LEFT JOIN pg_index ri ON ri.indrelid = c.oid AND ri.indisreplident
              WHERE c.oid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
                AND a.attgenerated = ''

@@ -50,7 +50,15 @@ CREATE TABLE IF NOT EXISTS trellara.snapshot_tables (
     PRIMARY KEY (flow, table_name)
 );
 -- The schema fingerprint the copy saw (capture pins it); added after 0.1.
-ALTER TABLE trellara.snapshot_tables ADD COLUMN IF NOT EXISTS fingerprint bigint;
+-- Guarded: ALTER TABLE locks the table and needs its owner even when the
+-- column exists, and a role that only uses the state tables must not fail.
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                   WHERE table_schema = 'trellara' AND table_name = 'snapshot_tables'
+                     AND column_name = 'fingerprint') THEN
+        ALTER TABLE trellara.snapshot_tables ADD COLUMN fingerprint bigint;
+    END IF;
+END $$;
 CREATE TABLE IF NOT EXISTS trellara.verify_runs (
     flow text NOT NULL,
     verified_at timestamptz NOT NULL DEFAULT now(),

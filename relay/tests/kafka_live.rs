@@ -251,3 +251,36 @@ fn an_incomplete_chunk_run_is_published_once_complete() {
     let feed = Feed::new(topic, "g").expect("feed");
     assert_eq!(feed.read(100).expect("read").len(), 2);
 }
+
+/// An envelope far over Kafka's 1 MB default goes through whole.
+#[test]
+fn records_larger_than_a_megabyte_go_through() {
+    let Some(broker) = Broker::start() else {
+        return;
+    };
+    let rt = runtime();
+    let topic = KafkaTarget {
+        brokers: broker.bootstrap(),
+        topic: "trellara-big".into(),
+    };
+    rt.block_on(topic.ensure_topic()).expect("topic");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("log");
+    let mut env = sample::insert_transaction(1, 3 << 20);
+    env.begin_lsn = 0x5000_0000 - 0x10;
+    env.commit_lsn = 0x5000_0000;
+    env.end_lsn = 0x5000_0010;
+    let bytes = envelope::encode(&env).expect("valid");
+    assert!(bytes.len() > 3 << 20);
+    log.append(0x5000_0000, &bytes).expect("append");
+    let publisher = Publisher::new(topic.clone(), "big").expect("publisher");
+    assert_eq!(
+        rt.block_on(publisher.publish(&log))
+            .expect("publish")
+            .records,
+        1
+    );
+    let read = Feed::new(topic, "g").expect("feed").read(10).expect("read");
+    assert_eq!(read.len(), 1);
+    assert_eq!(read[0].payload, bytes);
+}

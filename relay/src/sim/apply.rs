@@ -323,7 +323,9 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
         if via_topic {
             // Store and forward: the publisher moves what is durable to the
             // topic, then the applier reads the topic.
-            let publisher = Publisher::with_producer(&topic, "sim");
+            // Small batches, so chunk runs span batches.
+            let publisher =
+                Publisher::with_producer(&topic, "sim").with_batch_records(1 + (seed % 3) as usize);
             match runtime.block_on(publisher.publish_with(&log, &publish_hooks)) {
                 Ok(_) => {}
                 Err(TransportError::Crashed(_)) => {
@@ -673,14 +675,15 @@ mod tests {
     #[test]
     fn a_publisher_cursor_mid_run_is_caught() {
         crate::kafka::mutation::CURSOR_MID_RUN.with(|m| m.set(true));
-        let failed = (0..60u64)
+        // It takes a fault right after a batch that ended inside a run.
+        let failed = (0..120u64)
             .filter(|&seed| {
                 history(seed, ApplyFault::TopicSendFails).is_err()
                     || history(seed, ApplyFault::TopicPublishCrash).is_err()
             })
             .count();
         crate::kafka::mutation::CURSOR_MID_RUN.with(|m| m.set(false));
-        assert!(failed >= 10, "only {failed} of 60 histories noticed");
+        assert!(failed >= 5, "only {failed} of 120 histories noticed");
     }
 
     /// A replayed history is the same history.
