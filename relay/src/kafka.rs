@@ -113,23 +113,36 @@ impl KafkaTarget {
     pub async fn ensure_topic(&self) -> Result<(), TransportError> {
         let admin: AdminClient<DefaultClientContext> =
             self.client().create().map_err(|e| self.error(e))?;
-        // Records as large as an envelope; kept until deleted on purpose
-        // (never compacted: every chunk of a transaction shares its key).
-        let topic = NewTopic::new(&self.topic, 1, TopicReplication::Fixed(1))
-            .set("max.message.bytes", MAX_RECORD_BYTES)
-            .set("cleanup.policy", "delete");
-        let results = admin
-            .create_topics(
-                [&topic],
-                &AdminOptions::new().operation_timeout(Some(TIMEOUT)),
-            )
-            .await
-            .map_err(|e| self.error(e))?;
-        for result in results {
-            match result {
-                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-                Err((_, code)) => return Err(self.error(KafkaError::AdminOp(code))),
+        // The broker's default replication factor (-1): acks=all means
+        // what the cluster says. Brokers before Kafka 2.4 refuse -1; a lone
+        // test broker may not have a default: then 1, said in the log.
+        for replication in [-1, 1] {
+            // Records as large as an envelope; kept until deleted on purpose
+            // (never compacted: every chunk of a transaction shares its key).
+            let topic = NewTopic::new(&self.topic, 1, TopicReplication::Fixed(replication))
+                .set("max.message.bytes", MAX_RECORD_BYTES)
+                .set("cleanup.policy", "delete");
+            let results = admin
+                .create_topics(
+                    [&topic],
+                    &AdminOptions::new().operation_timeout(Some(TIMEOUT)),
+                )
+                .await
+                .map_err(|e| self.error(e))?;
+            let mut refused = false;
+            for result in results {
+                match result {
+                    Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                    Err((_, RDKafkaErrorCode::InvalidReplicationFactor)) if replication == -1 => {
+                        refused = true;
+                    }
+                    Err((_, code)) => return Err(self.error(KafkaError::AdminOp(code))),
+                }
             }
+            if !refused {
+                break;
+            }
+            tracing::warn!(topic = %self.topic, "the broker has no default replication factor; creating the topic with 1");
         }
         let probe: BaseConsumer = self.client().create().map_err(|e| self.error(e))?;
         let metadata = probe
