@@ -107,12 +107,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             max_envelope_bytes: 256 << 20,
             progress: None,
         };
-        let stats = runtime.block_on(native::serve(config, crate::flow::until_signal()))?;
-        eprintln!(
-            "relay stopped: {} envelopes appended, {} duplicates skipped, {} frames rejected, {} connections",
-            stats.envelopes, stats.duplicates_skipped, stats.rejected_frames, stats.connections
-        );
-        return Ok(ExitCode::SUCCESS);
+        return serve_native(&runtime, config);
     }
     let log_dir = args.log_dir.unwrap_or_default();
     let source_id = args.source_id.unwrap_or_default();
@@ -124,12 +119,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             max_envelope_bytes: 256 << 20,
             progress: None,
         };
-        let stats = runtime.block_on(native::serve(config, crate::flow::until_signal()))?;
-        eprintln!(
-            "relay stopped: {} envelopes appended, {} duplicates skipped, {} frames rejected, {} connections",
-            stats.envelopes, stats.duplicates_skipped, stats.rejected_frames, stats.connections
-        );
-        return Ok(ExitCode::SUCCESS);
+        return serve_native(&runtime, config);
     }
     let source = args
         .source_database_url
@@ -161,6 +151,19 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
     eprintln!(
         "relay stopped: {} envelopes appended, {} duplicates skipped, {} reconnects",
         stats.envelopes, stats.duplicates_skipped, stats.reconnects
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Serves the native socket until SIGTERM or Ctrl-C, then says what it did.
+fn serve_native(
+    runtime: &tokio::runtime::Runtime,
+    config: NativeConfig,
+) -> anyhow::Result<ExitCode> {
+    let stats = runtime.block_on(native::serve(config, crate::flow::until_signal()))?;
+    eprintln!(
+        "relay stopped: {} envelopes appended, {} duplicates skipped, {} frames rejected, {} connections",
+        stats.envelopes, stats.duplicates_skipped, stats.rejected_frames, stats.connections
     );
     Ok(ExitCode::SUCCESS)
 }

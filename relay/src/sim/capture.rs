@@ -388,6 +388,12 @@ fn source(rng: &mut Rng, fault: CaptureFault) -> Source {
             let commit = pos + 0x200 + rng.below(0x400);
             let end = commit + 0x28;
             src.ends.push(end);
+            let commit_message = Message::Commit(pg::Commit {
+                flags: 0,
+                commit_lsn: commit,
+                end_lsn: end,
+                commit_time: 0,
+            });
             let push = |src: &mut Source, pos: &mut u64, message, uses| {
                 *pos += 0x10;
                 src.emissions.push(Emission::Data {
@@ -430,17 +436,7 @@ fn source(rng: &mut Rng, fault: CaptureFault) -> Source {
                     None,
                 );
                 pos = pos.max(commit);
-                push(
-                    &mut src,
-                    &mut pos,
-                    Message::Commit(pg::Commit {
-                        flags: 0,
-                        commit_lsn: commit,
-                        end_lsn: end,
-                        commit_time: 0,
-                    }),
-                    None,
-                );
+                push(&mut src, &mut pos, commit_message, None);
                 pos = pos.max(end);
                 break;
             }
@@ -471,17 +467,7 @@ fn source(rng: &mut Rng, fault: CaptureFault) -> Source {
                 }
             }
             pos = pos.max(commit);
-            push(
-                &mut src,
-                &mut pos,
-                Message::Commit(pg::Commit {
-                    flags: 0,
-                    commit_lsn: commit,
-                    end_lsn: end,
-                    commit_time: 0,
-                }),
-                None,
-            );
+            push(&mut src, &mut pos, commit_message, None);
             pos = pos.max(end);
             src.committed.push(Committed {
                 commit_lsn: commit,
