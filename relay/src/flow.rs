@@ -408,7 +408,8 @@ pub async fn run_watched<W: Watch>(
         }
         crate::config::Transport::Local { .. } => None,
     };
-    let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path);
+    let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
+        .with_patience(CHUNK_PATIENCE);
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
         let mut total = ApplyStats::default();
@@ -686,6 +687,10 @@ const NATIVE_WORKER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// How often a following run trims the log.
 const RETENTION_EVERY: Duration = Duration::from_secs(10);
+/// How long the applier holds a large transaction's target transaction
+/// open waiting for its next chunk before it rolls back and retries later
+/// (capture stopped mid-run, or stalled).
+const CHUNK_PATIENCE: Duration = Duration::from_secs(2);
 
 /// Deletes segments every consumer has passed, within the flow's size
 /// limit; what a lagging consumer holds is reported, never deleted.

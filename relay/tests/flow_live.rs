@@ -1034,6 +1034,76 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
     .expect("rewind");
     let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
     assert_eq!((stats.transactions, stats.duplicates_skipped), (0, 3));
+
+    // With patience, a run whose last chunk is still being appended is
+    // applied when it arrives, in the target transaction already open.
+    // Chunks of 300 rows go as COPY, continued from chunk to chunk.
+    let cursor = trellara_relay::apply::cursor_name("t");
+    log.commit_cursor(
+        &cursor,
+        trellara_relay::log::CursorPosition::start_at(log.next_offset()),
+    )
+    .expect("skip ahead");
+    let w = 0x8000_0000u64;
+    let rows_chunk = |index: u32| {
+        let mut env = trellara_common::sample::insert_transaction(300, 4);
+        for (i, change) in env.changes.iter_mut().enumerate() {
+            let sequence = u64::from(index) * 300 + i as u64;
+            change.sequence = sequence;
+            if let Some(trellara_common::envelope::change::Body::Row(row)) = change.body.as_mut() {
+                row.after[0] = trellara_common::sample::text((1000 + sequence).to_string());
+            }
+        }
+        env.commit_lsn = w;
+        env.end_lsn = w + 0x10;
+        env.begin_lsn = w - 0x10;
+        env.boundary = Some(trellara_common::envelope::Boundary {
+            mode: trellara_common::envelope::boundary::Mode::Chunked as i32,
+            chunk_index: index,
+            chunk_count: 3,
+            first_sequence: u64::from(index) * 300,
+            total_changes: 900,
+            partition: 0,
+            manifest_partitions: Vec::new(),
+        });
+        trellara_common::envelope::encode(&env).expect("valid chunk")
+    };
+    log.append(w, &rows_chunk(0)).expect("append");
+    log.append(w, &rows_chunk(1)).expect("append");
+    let mut patient = rt.block_on(async {
+        let client = trellara_relay::flow::connect(&url, "target")
+            .await
+            .expect("connect");
+        trellara_relay::apply::Applier::new(client, "t", "src", "trellara.yml")
+            .with_patience(std::time::Duration::from_secs(10))
+    });
+    let (stats, ()) = rt.block_on(async {
+        tokio::join!(patient.apply_log(&log), async {
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            let reader = trellara_relay::flow::connect(&url, "target")
+                .await
+                .expect("connect");
+            let visible: i64 = reader
+                .query_one("SELECT count(*) FROM public.sales WHERE id >= 1000", &[])
+                .await
+                .expect("count")
+                .get(0);
+            assert_eq!(
+                visible, 0,
+                "nothing of the run is visible before its last chunk"
+            );
+            log.append(w, &rows_chunk(2)).expect("append");
+        })
+    });
+    assert_eq!(stats.expect("apply").transactions, 1);
+    assert_eq!(
+        target.psql_value("SELECT format('%s|%s|%s', count(*), min(id), max(id)) FROM public.sales WHERE id >= 1000"),
+        "900|1000|1899"
+    );
+    assert_eq!(
+        target.psql_value("SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = 't'"),
+        "0/80000000"
+    );
 }
 
 #[test]

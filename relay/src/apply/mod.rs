@@ -27,6 +27,7 @@ pub use postgres::PgTarget;
 use crate::crash::{CrashHooks, CrashPoint, NoCrash};
 use crate::log::storage::{FsStorage, Storage};
 use crate::log::{CursorPosition, Log};
+use std::time::Duration;
 use tokio_postgres::Client;
 use trellara_common::Lsn;
 use trellara_common::envelope::{self, Envelope, Operation, RelationSchema, RowChange, change};
@@ -136,6 +137,19 @@ pub trait Target {
         source_id: &str,
         settle: &Settle,
     ) -> Result<u64, Refusal>;
+    /// [`settle`](Self::settle), then [`commit`](Self::commit); a target
+    /// that can send both at once overrides it. On an error the caller
+    /// rolls back.
+    async fn settle_and_commit(
+        &mut self,
+        flow: &str,
+        source_id: &str,
+        settle: &Settle,
+    ) -> Result<u64, Refusal> {
+        let resolved = self.settle(flow, source_id, settle).await?;
+        self.commit().await?;
+        Ok(resolved)
+    }
     /// Inserts a run of rows of one relation.
     async fn insert_rows(
         &mut self,
@@ -181,6 +195,7 @@ pub struct Applier<T: Target = PgTarget> {
     flow: String,
     source_id: String,
     config_path: String,
+    patience: Option<Duration>,
 }
 
 impl<T: Target> std::fmt::Debug for Applier<T> {
@@ -243,7 +258,8 @@ enum Chunked {
 }
 
 enum ChunkStep {
-    Done,
+    /// Every chunk applied; what commits with them.
+    Done(Settle),
     Incomplete,
     Restart(crate::log::Record),
 }
@@ -326,6 +342,7 @@ pub fn cursor_name(flow: &str) -> String {
 /// cursor `applier-<flow>`), or a Kafka feed (its consumer group's offset).
 /// Offsets are the source's own; `applied` is called only after the target
 /// committed everything up to the offset.
+#[allow(async_fn_in_trait)] // used on one task; no Send bound needed
 pub trait Records {
     type Reader<'a>: RecordReader
     where
@@ -336,6 +353,14 @@ pub trait Records {
     /// Everything up to and including `offset` (of commit `commit_lsn`) is
     /// applied.
     fn applied(&self, consumer: &str, offset: u64, commit_lsn: u64) -> Result<(), ApplyError>;
+    /// Waits up to `patience` for records past `offset` (the rest of a
+    /// chunk run still being appended); false when none came. A source
+    /// that cannot wait says false at once, and the run is read again
+    /// whole next time.
+    async fn wait_for_more(&self, offset: u64, patience: Duration) -> bool {
+        let _ = (offset, patience);
+        false
+    }
 }
 
 /// Records in order from one position.
@@ -359,6 +384,19 @@ impl<S: Storage> Records for Log<S> {
 
     fn applied(&self, consumer: &str, offset: u64, commit_lsn: u64) -> Result<(), ApplyError> {
         Ok(self.commit_cursor(consumer, CursorPosition::after(offset, commit_lsn))?)
+    }
+
+    /// Polls the durable end every millisecond: the writer may be another
+    /// task of this thread, which runs while this one sleeps.
+    async fn wait_for_more(&self, offset: u64, patience: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + patience;
+        while self.next_offset() <= offset {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        true
     }
 }
 
@@ -415,7 +453,17 @@ impl<T: Target> Applier<T> {
             flow: flow.to_owned(),
             source_id: source_id.to_owned(),
             config_path: config_path.to_owned(),
+            patience: None,
         }
+    }
+
+    /// Waits up to `patience` for the rest of a chunk run that is still
+    /// being appended, keeping the target transaction open, so a large
+    /// transaction is applied while it is written. Without it (the
+    /// default) a partly durable run is rolled back and read again later.
+    pub fn with_patience(mut self, patience: Duration) -> Self {
+        self.patience = Some(patience);
+        self
     }
 
     pub fn target(&self) -> &T {
@@ -624,16 +672,28 @@ impl<T: Target> Applier<T> {
                 duplicates: stats.duplicates_skipped,
                 settled,
             };
-            stats.quarantine_resolved += self
-                .target
-                .settle(&self.flow, &self.source_id, &settle)
-                .await?;
-            stats.transactions += applied.len() as u64;
-            crash(hooks, CrashPoint::AppliedNotCommitted)
+            crash(hooks, CrashPoint::AppliedNotCommitted)?;
+            Ok(settle)
         }
         .await;
         match result {
-            Ok(()) => self.target.commit().await,
+            Ok(settle) => {
+                match self
+                    .target
+                    .settle_and_commit(&self.flow, &self.source_id, &settle)
+                    .await
+                {
+                    Ok(resolved) => {
+                        stats.quarantine_resolved += resolved;
+                        stats.transactions += settle.applied;
+                        Ok(())
+                    }
+                    Err(refusal) => {
+                        self.target.rollback().await;
+                        Err(refusal)
+                    }
+                }
+            }
             Err(Refusal::Crashed(point)) => Err(Refusal::Crashed(point)),
             Err(refusal) => {
                 self.target.rollback().await;
@@ -693,10 +753,6 @@ impl<T: Target> Applier<T> {
                         settle.applied = 1;
                         tentative.transactions += 1;
                     }
-                    tentative.quarantine_resolved += self
-                        .target
-                        .settle(&self.flow, &self.source_id, &settle)
-                        .await?;
                     #[cfg(test)]
                     if mutation::CURSOR_BEFORE_COMMIT.with(std::cell::Cell::get) {
                         let last = reader.next_offset().saturating_sub(1);
@@ -704,12 +760,23 @@ impl<T: Target> Applier<T> {
                             .map_err(|e| Refusal::Data(e.to_string()))?;
                     }
                     crash(hooks, CrashPoint::AppliedNotCommitted)?;
-                    return Ok(ChunkStep::Done);
+                    return Ok(ChunkStep::Done(settle));
                 }
-                let Some(record) = reader
+                let mut next = reader
                     .next_record()
-                    .map_err(|e| Refusal::Data(e.to_string()))?
-                else {
+                    .map_err(|e| Refusal::Data(e.to_string()))?;
+                // The rest of the run may still be on its way: with
+                // patience, wait for it with the target transaction open
+                // instead of rolling back and starting over.
+                while next.is_none()
+                    && let Some(patience) = self.patience
+                    && log.wait_for_more(reader.next_offset(), patience).await
+                {
+                    next = reader
+                        .next_record()
+                        .map_err(|e| Refusal::Data(e.to_string()))?;
+                }
+                let Some(record) = next else {
                     return Ok(ChunkStep::Incomplete);
                 };
                 let next = match envelope::decode(&record.payload) {
@@ -725,11 +792,16 @@ impl<T: Target> Applier<T> {
         }
         .await;
         let refusal = match outcome {
-            Ok(ChunkStep::Done) => {
+            Ok(ChunkStep::Done(settle)) => {
                 // The run's last chunk is the record just read.
                 let last = reader.next_offset().saturating_sub(1);
-                match self.target.commit().await {
-                    Ok(()) => {
+                match self
+                    .target
+                    .settle_and_commit(&self.flow, &self.source_id, &settle)
+                    .await
+                {
+                    Ok(resolved) => {
+                        tentative.quarantine_resolved += resolved;
                         accumulate(stats, tentative);
                         if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
                             return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));

@@ -2,6 +2,12 @@
 //! records as SQL on one target session. Values travel as text and are cast
 //! to the target column's type (`$n::text::type`), the same unambiguous
 //! forms the capture side produces; long insert runs go as COPY.
+//!
+//! Round trips are the latency of a small transaction, so the session
+//! pipelines what does not depend on an answer: `BEGIN` goes with the
+//! checkpoint lock, and the checkpoint, the quarantine resolution and
+//! `COMMIT` go together. If a pipelined statement fails, the server turns
+//! the `COMMIT` behind it into a rollback, so nothing half-settled commits.
 
 use super::{QuarantineRecord, Refusal, Settle, Target, TargetError};
 use std::collections::HashMap;
@@ -22,6 +28,9 @@ const MAX_PARAMS: usize = 65_535;
 const STATEMENT_CACHE: usize = 1_000;
 /// Runs at least this long go as COPY instead of a multi-row INSERT.
 const COPY_ROWS: usize = 200;
+/// COPY data goes out in pieces of about this size, so the server parses
+/// one while the next is built.
+const COPY_PIECE: usize = 256 << 10;
 
 /// SQLSTATE classes that say nothing about the data: serialization and
 /// deadlock (40), resources (53), lock not available (55P03), operator
@@ -65,12 +74,53 @@ pub struct PgTarget {
     client: Client,
     tables: HashMap<String, TargetTable>,
     statements: HashMap<String, Statement>,
+    /// `begin` was called and `BEGIN` is not sent yet: it goes with the
+    /// next statement.
+    begin_pending: bool,
+    /// Whether the flow may have unresolved quarantine records (None: not
+    /// looked up yet). Only this session's applier adds them (one writer
+    /// per flow), so without any, settling needs no quarantine update.
+    open_quarantine: Option<bool>,
+    copy: Option<OpenCopy>,
 }
+
+/// A COPY left open for the next run of rows into the same table.
+struct OpenCopy {
+    statement: String,
+    table: String,
+    sink: std::pin::Pin<Box<tokio_postgres::CopyInSink<bytes::Bytes>>>,
+    /// Rows sent so far, checked against the server's count at the end.
+    rows: u64,
+}
+
+const LOCK_CHECKPOINT: &str =
+    "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1 FOR UPDATE";
+const UPSERT_CHECKPOINT: &str = "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid, transactions, duplicates_skipped)
+     VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, $5, $6, $7)
+     ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
+        commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = EXCLUDED.xid,
+        transactions = c.transactions + EXCLUDED.transactions,
+        duplicates_skipped = c.duplicates_skipped + EXCLUDED.duplicates_skipped,
+        updated_at = now()";
+const COUNT_DUPLICATES: &str =
+    "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + $2 WHERE flow = $1";
+const RESOLVE_QUARANTINE: &str = "UPDATE trellara.quarantine SET resolved_at = now()
+     WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL";
+const ANY_OPEN_QUARANTINE: &str =
+    "SELECT EXISTS (SELECT 1 FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL)";
 
 impl std::fmt::Debug for PgTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgTarget").finish_non_exhaustive()
     }
+}
+
+fn qualified(relation: &RelationSchema) -> String {
+    format!(
+        "{}.{}",
+        quote_ident(&relation.namespace),
+        quote_ident(&relation.name)
+    )
 }
 
 fn quote_ident(name: &str) -> String {
@@ -83,13 +133,111 @@ impl PgTarget {
             client,
             tables: HashMap::new(),
             statements: HashMap::new(),
+            begin_pending: false,
+            open_quarantine: None,
+            copy: None,
         }
+    }
+
+    /// Makes the session ready for the next statement: ends an open COPY
+    /// and sends a `BEGIN` still held back by [`Target::begin`].
+    async fn open(&mut self) -> Result<(), Refusal> {
+        self.end_copy().await?;
+        if std::mem::take(&mut self.begin_pending) {
+            self.client.batch_execute("BEGIN").await?;
+        }
+        Ok(())
+    }
+
+    /// A statement with server-inferred parameter types, prepared once.
+    async fn prepared(&mut self, sql: &str) -> Result<Statement, Refusal> {
+        if let Some(s) = self.statements.get(sql) {
+            return Ok(s.clone());
+        }
+        let statement = self.client.prepare(sql).await?;
+        self.statements.insert(sql.to_owned(), statement.clone());
+        Ok(statement)
+    }
+
+    /// The checkpoint, counts and quarantine resolution of `settle`, and
+    /// with `commit` the `COMMIT` too, in one round trip.
+    async fn settle_pipelined(
+        &mut self,
+        flow: &str,
+        source_id: &str,
+        settle: &Settle,
+        commit: bool,
+    ) -> Result<u64, Refusal> {
+        self.open().await?;
+        if self.open_quarantine.is_none() {
+            let any = self.prepared(ANY_OPEN_QUARANTINE).await?;
+            self.open_quarantine = Some(self.client.query_one(&any, &[&flow]).await?.get(0));
+        }
+        let resolve = if self.open_quarantine == Some(true) && !settle.settled.is_empty() {
+            Some(self.prepared(RESOLVE_QUARANTINE).await?)
+        } else {
+            None
+        };
+        let counts = match &settle.last {
+            Some(_) => Some(self.prepared(UPSERT_CHECKPOINT).await?),
+            None if settle.duplicates > 0 => Some(self.prepared(COUNT_DUPLICATES).await?),
+            None => None,
+        };
+        let client = &self.client;
+        let checkpoint = async {
+            let Some(statement) = &counts else {
+                return Ok(0);
+            };
+            match &settle.last {
+                Some(last) => {
+                    client
+                        .execute(
+                            statement,
+                            &[
+                                &flow,
+                                &source_id,
+                                &last.commit_lsn.to_string(),
+                                &last.end_lsn.to_string(),
+                                &(last.xid as i64),
+                                &(settle.applied as i64),
+                                &(settle.duplicates as i64),
+                            ],
+                        )
+                        .await
+                }
+                None => {
+                    client
+                        .execute(statement, &[&flow, &(settle.duplicates as i64)])
+                        .await
+                }
+            }
+        };
+        let resolved = async {
+            let Some(statement) = &resolve else {
+                return Ok(0);
+            };
+            let settled: Vec<String> = settle.settled.iter().map(Lsn::to_string).collect();
+            client.execute(statement, &[&flow, &settled]).await
+        };
+        let end = async {
+            if commit {
+                client.batch_execute("COMMIT").await?;
+            }
+            Ok(())
+        };
+        // Polled in order, so the requests go out in this order at once.
+        let (_, resolved, ()) = tokio::try_join!(biased; checkpoint, resolved, end)?;
+        Ok(resolved)
     }
 
     pub fn client(&self) -> &Client {
         &self.client
     }
 
+    /// Streams `rows` into the open COPY of the same table and columns, or
+    /// opens one. The COPY stays open across calls, so a large
+    /// transaction's chunks become one COPY that the server ingests while
+    /// the next chunk is read; any other statement ends it first.
     async fn copy_rows(
         &mut self,
         table: &TargetTable,
@@ -97,7 +245,27 @@ impl PgTarget {
         rows: &[&RowChange],
     ) -> Result<(), Refusal> {
         use futures_util::SinkExt;
-        let mut data = bytes::BytesMut::with_capacity(rows.len() * 64);
+        let statement = format!(
+            "COPY {} ({}) FROM STDIN",
+            table.qualified,
+            columns.join(", ")
+        );
+        if self.copy.as_ref().is_some_and(|c| c.statement != statement) {
+            self.end_copy().await?;
+        }
+        let open = match &mut self.copy {
+            Some(open) => open,
+            None => {
+                let sink = self.client.copy_in(&statement).await?;
+                self.copy.insert(OpenCopy {
+                    statement,
+                    table: table.qualified.clone(),
+                    sink: Box::pin(sink),
+                    rows: 0,
+                })
+            }
+        };
+        let mut data = bytes::BytesMut::with_capacity(COPY_PIECE + 4096);
         for row in rows {
             for (i, v) in row.after.iter().enumerate() {
                 if i > 0 {
@@ -109,34 +277,34 @@ impl PgTarget {
                 }
             }
             data.extend_from_slice(b"\n");
+            if data.len() >= COPY_PIECE {
+                open.sink.send(data.split().freeze()).await?;
+            }
         }
-        let sink = self
-            .client
-            .copy_in(&format!(
-                "COPY {} ({}) FROM STDIN",
-                table.qualified,
-                columns.join(", ")
-            ))
-            .await?;
-        futures_util::pin_mut!(sink);
-        sink.send(data.freeze()).await?;
-        let copied = sink.finish().await?;
-        if copied != rows.len() as u64 {
+        if !data.is_empty() {
+            open.sink.send(data.freeze()).await?;
+        }
+        open.rows += rows.len() as u64;
+        Ok(())
+    }
+
+    /// Ends the open COPY, if any, checking that every row sent landed.
+    async fn end_copy(&mut self) -> Result<(), Refusal> {
+        let Some(mut open) = self.copy.take() else {
+            return Ok(());
+        };
+        let copied = open.sink.as_mut().finish().await?;
+        if copied != open.rows {
             return Err(Refusal::Data(format!(
                 "COPY into {} wrote {copied} rows, expected {}",
-                table.qualified,
-                rows.len()
+                open.table, open.rows
             )));
         }
         Ok(())
     }
 
     async fn target_table(&mut self, relation: &RelationSchema) -> Result<TargetTable, Refusal> {
-        let qualified = format!(
-            "{}.{}",
-            quote_ident(&relation.namespace),
-            quote_ident(&relation.name)
-        );
+        let qualified = qualified(relation);
         if let Some(t) = self.tables.get(&qualified) {
             return Ok(t.clone());
         }
@@ -184,28 +352,46 @@ impl PgTarget {
 
 impl Target for PgTarget {
     async fn begin(&mut self) -> Result<(), Refusal> {
-        Ok(self.client.batch_execute("BEGIN").await?)
+        self.begin_pending = true;
+        Ok(())
     }
 
     async fn commit(&mut self) -> Result<(), Refusal> {
+        if std::mem::take(&mut self.begin_pending) {
+            return Ok(());
+        }
+        self.end_copy().await?;
         Ok(self.client.batch_execute("COMMIT").await?)
     }
 
     async fn rollback(&mut self) {
-        // The session may be gone (a transient refusal): the transaction is
-        // rolled back either way.
+        // Dropping the sink aborts the COPY (CopyFail).
+        self.copy = None;
+        if std::mem::take(&mut self.begin_pending) {
+            return;
+        }
+        // The session may be gone (a transient refusal), or a pipelined
+        // COMMIT already rolled back: the transaction is over either way.
         let _ = self.client.batch_execute("ROLLBACK").await;
     }
 
-    /// Locked until commit, so no other applier can interleave.
+    /// Locked until commit, so no other applier can interleave; sent
+    /// together with the held-back `BEGIN`.
     async fn lock_checkpoint(&mut self, flow: &str) -> Result<Option<Lsn>, Refusal> {
-        let row = self
-            .client
-            .query_opt(
-                "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1 FOR UPDATE",
-                &[&flow],
-            )
-            .await?;
+        self.end_copy().await?;
+        let statement = self.prepared(LOCK_CHECKPOINT).await?;
+        let begin = std::mem::take(&mut self.begin_pending);
+        let client = &self.client;
+        let ((), row) = tokio::try_join!(
+            biased;
+            async {
+                if begin {
+                    client.batch_execute("BEGIN").await?;
+                }
+                Ok(())
+            },
+            async { client.query_opt(&statement, &[&flow]).await }
+        )?;
         match row {
             None => Ok(None),
             Some(r) => {
@@ -225,47 +411,16 @@ impl Target for PgTarget {
         source_id: &str,
         settle: &Settle,
     ) -> Result<u64, Refusal> {
-        if let Some(last) = &settle.last {
-            self.client
-                .execute(
-                    "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid, transactions, duplicates_skipped)
-                     VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, $5, $6, $7)
-                     ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
-                        commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = EXCLUDED.xid,
-                        transactions = c.transactions + EXCLUDED.transactions,
-                        duplicates_skipped = c.duplicates_skipped + EXCLUDED.duplicates_skipped,
-                        updated_at = now()",
-                    &[
-                        &flow,
-                        &source_id,
-                        &last.commit_lsn.to_string(),
-                        &last.end_lsn.to_string(),
-                        &(last.xid as i64),
-                        &(settle.applied as i64),
-                        &(settle.duplicates as i64),
-                    ],
-                )
-                .await?;
-        } else if settle.duplicates > 0 {
-            self.client
-                .execute(
-                    "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + $2 WHERE flow = $1",
-                    &[&flow, &(settle.duplicates as i64)],
-                )
-                .await?;
-        }
-        if settle.settled.is_empty() {
-            return Ok(0);
-        }
-        let settled: Vec<String> = settle.settled.iter().map(Lsn::to_string).collect();
-        Ok(self
-            .client
-            .execute(
-                "UPDATE trellara.quarantine SET resolved_at = now()
-                 WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL",
-                &[&flow, &settled],
-            )
-            .await?)
+        self.settle_pipelined(flow, source_id, settle, false).await
+    }
+
+    async fn settle_and_commit(
+        &mut self,
+        flow: &str,
+        source_id: &str,
+        settle: &Settle,
+    ) -> Result<u64, Refusal> {
+        self.settle_pipelined(flow, source_id, settle, true).await
     }
 
     async fn insert_rows(
@@ -273,13 +428,19 @@ impl Target for PgTarget {
         relation: &RelationSchema,
         rows: &[&RowChange],
     ) -> Result<(), Refusal> {
+        let copy = rows.len() >= COPY_ROWS || rows.len() * relation.columns.len() > MAX_PARAMS;
+        // An open COPY continues only when nothing else has to be sent
+        // first (the table's columns are known).
+        if !(copy && self.copy.is_some() && self.tables.contains_key(&qualified(relation))) {
+            self.open().await?;
+        }
         let table = self.target_table(relation).await?;
         let columns: Vec<String> = relation
             .columns
             .iter()
             .map(|c| quote_ident(&c.name))
             .collect();
-        if rows.len() >= COPY_ROWS || rows.len() * columns.len() > MAX_PARAMS {
+        if copy {
             return self.copy_rows(&table, &columns, rows).await;
         }
         let mut params: Vec<Option<String>> = Vec::with_capacity(rows.len() * columns.len());
@@ -313,6 +474,7 @@ impl Target for PgTarget {
     /// replayed (as in PostgreSQL's own apply): on the target it could empty
     /// tables that are not replicated.
     async fn truncate(&mut self, rows: &[(&RelationSchema, &RowChange)]) -> Result<(), Refusal> {
+        self.open().await?;
         let mut tables = Vec::with_capacity(rows.len());
         for (relation, _) in rows {
             tables.push(self.target_table(relation).await?.qualified);
@@ -330,6 +492,7 @@ impl Target for PgTarget {
         relation: &RelationSchema,
         row: &RowChange,
     ) -> Result<Option<u64>, Refusal> {
+        self.open().await?;
         let table = self.target_table(relation).await?;
         let update = row.operation == Operation::Update as i32;
         let cast = |i: usize, col: &str| {
@@ -422,6 +585,7 @@ impl Target for PgTarget {
     }
 
     async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError> {
+        self.open_quarantine = Some(true);
         self.client
             .execute(
                 "INSERT INTO trellara.quarantine (flow, commit_lsn, xid, reason, recovery, envelope)
