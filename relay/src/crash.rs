@@ -10,7 +10,7 @@
 //! | `AppendedNotSynced` | append → fsync | torn tails are cut on reopen; no ack yet |
 //! | `AppendedNotAcknowledged` | fsync → source ack | duplicates skipped by commit LSN |
 //! | `Acknowledged` | source ack sent | ack only after fsync |
-//! | `AppliedNotCommitted` | apply → checkpoint commit | rows and checkpoint in one target transaction |
+//! | `AppliedNotCommitted` | rows applied → checkpoint and commit (sent together) | rows and checkpoint in one target transaction |
 //! | `CommittedCursorNotMoved` | checkpoint → log cursor | the checkpoint skips the redelivery |
 //! | `CopyInProgress` | a table's copy transaction open | truncate, rows and progress commit together |
 //! | `TableCopied` | one table copied, the next not started | each table's copy is idempotent |
@@ -30,8 +30,8 @@ pub enum CrashPoint {
     AppendedNotAcknowledged,
     /// Relay: the Ack was sent.
     Acknowledged,
-    /// Applier: rows and checkpoint written in the open target
-    /// transaction, COMMIT not sent.
+    /// Applier: rows written in the open target transaction; the
+    /// checkpoint and COMMIT (sent together) not sent.
     AppliedNotCommitted,
     /// Applier: the target transaction committed, the log cursor not moved.
     CommittedCursorNotMoved,

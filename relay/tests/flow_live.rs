@@ -1092,6 +1092,19 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
                 visible, 0,
                 "nothing of the run is visible before its last chunk"
             );
+            // The applier waits inside its transaction, its first COPY
+            // still open (continued across chunks, not restarted).
+            let waiting: i64 = reader
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                     WHERE query LIKE 'COPY%public%sales%' AND state = 'active'
+                       AND backend_xid IS NOT NULL",
+                    &[],
+                )
+                .await
+                .expect("activity")
+                .get(0);
+            assert_eq!(waiting, 1, "the applier's COPY is open in its transaction");
             log.append(w, &rows_chunk(2)).expect("append");
         })
     });

@@ -77,10 +77,6 @@ pub struct PgTarget {
     /// `begin` was called and `BEGIN` is not sent yet: it goes with the
     /// next statement.
     begin_pending: bool,
-    /// Whether the flow may have unresolved quarantine records (None: not
-    /// looked up yet). Only this session's applier adds them (one writer
-    /// per flow), so without any, settling needs no quarantine update.
-    open_quarantine: Option<bool>,
     copy: Option<OpenCopy>,
 }
 
@@ -106,8 +102,6 @@ const COUNT_DUPLICATES: &str =
     "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + $2 WHERE flow = $1";
 const RESOLVE_QUARANTINE: &str = "UPDATE trellara.quarantine SET resolved_at = now()
      WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL";
-const ANY_OPEN_QUARANTINE: &str =
-    "SELECT EXISTS (SELECT 1 FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL)";
 
 impl std::fmt::Debug for PgTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -134,7 +128,6 @@ impl PgTarget {
             tables: HashMap::new(),
             statements: HashMap::new(),
             begin_pending: false,
-            open_quarantine: None,
             copy: None,
         }
     }
@@ -169,14 +162,12 @@ impl PgTarget {
         commit: bool,
     ) -> Result<u64, Refusal> {
         self.open().await?;
-        if self.open_quarantine.is_none() {
-            let any = self.prepared(ANY_OPEN_QUARANTINE).await?;
-            self.open_quarantine = Some(self.client.query_one(&any, &[&flow]).await?.get(0));
-        }
-        let resolve = if self.open_quarantine == Some(true) && !settle.settled.is_empty() {
-            Some(self.prepared(RESOLVE_QUARANTINE).await?)
-        } else {
+        // Resolving costs no round trip here (it is pipelined), so it is
+        // sent whenever something settled, whoever quarantined it.
+        let resolve = if settle.settled.is_empty() {
             None
+        } else {
+            Some(self.prepared(RESOLVE_QUARANTINE).await?)
         };
         let counts = match &settle.last {
             Some(_) => Some(self.prepared(UPSERT_CHECKPOINT).await?),
@@ -352,6 +343,9 @@ impl PgTarget {
 
 impl Target for PgTarget {
     async fn begin(&mut self) -> Result<(), Refusal> {
+        // A COPY left by a transaction that never ended (a simulated crash
+        // keeps the session) is aborted, not continued.
+        self.copy = None;
         self.begin_pending = true;
         Ok(())
     }
@@ -585,7 +579,6 @@ impl Target for PgTarget {
     }
 
     async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError> {
-        self.open_quarantine = Some(true);
         self.client
             .execute(
                 "INSERT INTO trellara.quarantine (flow, commit_lsn, xid, reason, recovery, envelope)
