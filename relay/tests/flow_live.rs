@@ -1120,6 +1120,76 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
 }
 
 #[test]
+fn a_checkpoint_moved_by_another_writer_is_respected() {
+    on_every_major(a_checkpoint_moved_by_another_writer_is_respected_on);
+}
+
+/// Another writer moves the checkpoint between two batches of one applier
+/// session: the applier goes by the checkpoint it locks, not by what it
+/// committed last, so nothing at or below the moved checkpoint is applied,
+/// and a row the other writer put there is not taken for a data error.
+fn a_checkpoint_moved_by_another_writer_is_respected_on(major: Major) {
+    let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    target.psql("CREATE TABLE public.sales (id bigint PRIMARY KEY, amount numeric, note text)");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, _) = trellara_relay::log::Log::open(
+        trellara_relay::log::storage::FsStorage::new(),
+        dir.path(),
+        trellara_relay::log::LogConfig::default(),
+    )
+    .expect("open");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let url = target.connection_string("postgres");
+    let mut applier = rt.block_on(async {
+        let client = trellara_relay::flow::connect(&url, "target")
+            .await
+            .expect("connect");
+        trellara_relay::state::ensure(&client).await.expect("state");
+        trellara_relay::apply::Applier::new(client, "t", "src", "trellara.yml")
+    });
+    let (a, b, c) = (0x1000_0000u64, 0x2000_0000u64, 0x3000_0000u64);
+    log.append(a, &sales_chunk(a, 0, 1, 1)).expect("append");
+    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    assert_eq!(stats.transactions, 1);
+
+    // Another writer claims B (its row is not there), then B and C arrive.
+    target.psql("UPDATE trellara.checkpoints SET commit_lsn = '0/20000000' WHERE flow = 't'");
+    log.append(b, &sales_chunk(b, 0, 1, 2)).expect("append");
+    log.append(c, &sales_chunk(c, 0, 1, 3)).expect("append");
+    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    assert_eq!((stats.transactions, stats.duplicates_skipped), (1, 1));
+    assert_eq!(
+        target.psql_value("SELECT string_agg(id::text, ',' ORDER BY id) FROM public.sales"),
+        "1,3",
+        "B is at or below the moved checkpoint: skipped"
+    );
+    assert_eq!(
+        target.psql_value("SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = 't'"),
+        "0/30000000"
+    );
+
+    // The same when the other writer's row collides with the assumption.
+    let d = 0x4000_0000u64;
+    target.psql(
+        "BEGIN; INSERT INTO public.sales VALUES (4, 1, 'other');
+         UPDATE trellara.checkpoints SET commit_lsn = '0/40000000' WHERE flow = 't'; COMMIT",
+    );
+    log.append(d, &sales_chunk(d, 0, 1, 4)).expect("append");
+    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    assert_eq!((stats.transactions, stats.duplicates_skipped), (0, 1));
+    assert_eq!(
+        target.psql_value("SELECT count(*) FROM trellara.quarantine"),
+        "0",
+        "the other writer's row is not taken for a data error"
+    );
+}
+
+#[test]
 fn copy_carries_tabs_newlines_backslashes_and_nulls_exactly() {
     on_every_major(copy_carries_tabs_newlines_backslashes_and_nulls_exactly_on);
 }
