@@ -966,23 +966,65 @@ fn sales_chunk(commit: u64, index: u32, count: u32, id: i64) -> Vec<u8> {
     trellara_common::envelope::encode(&env).expect("valid chunk")
 }
 
+/// A target with `public.sales`, an empty log and a one-thread runtime, for
+/// tests that drive the applier directly.
+struct ApplierRig {
+    target: Cluster,
+    log: trellara_relay::log::Log,
+    rt: tokio::runtime::Runtime,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl ApplierRig {
+    fn new(major: Major) -> Option<Self> {
+        let target = test_cluster(major, &ClusterOptions::new())?;
+        target.psql("CREATE TABLE public.sales (id bigint PRIMARY KEY, amount numeric, note text)");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (log, _) = trellara_relay::log::Log::open(
+            trellara_relay::log::storage::FsStorage::new(),
+            dir.path(),
+            trellara_relay::log::LogConfig::default(),
+        )
+        .expect("open");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let url = target.connection_string("postgres");
+        Some(ApplierRig {
+            target,
+            log,
+            rt,
+            url,
+            _dir: dir,
+        })
+    }
+
+    /// An applier of flow `t` on its own target session.
+    fn applier(&self) -> trellara_relay::apply::Applier {
+        self.rt.block_on(async {
+            let client = trellara_relay::flow::connect(&self.url, "target")
+                .await
+                .expect("connect");
+            trellara_relay::state::ensure(&client).await.expect("state");
+            trellara_relay::apply::Applier::new(client, "t", "src", "trellara.yml")
+        })
+    }
+}
+
 #[test]
 fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land() {
     on_every_major(chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on);
 }
 
 fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: Major) {
-    let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+    let Some(rig) = ApplierRig::new(major) else {
         return;
     };
-    target.psql("CREATE TABLE public.sales (id bigint PRIMARY KEY, amount numeric, note text)");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (log, _) = trellara_relay::log::Log::open(
-        trellara_relay::log::storage::FsStorage::new(),
-        dir.path(),
-        trellara_relay::log::LogConfig::default(),
-    )
-    .expect("open");
+    let ApplierRig {
+        target, log, rt, ..
+    } = &rig;
     let (x, y, z) = (0x5000_0000u64, 0x6000_0000u64, 0x7000_0000u64);
     // A crash cut X after two chunks; X was then appended whole; then Y.
     for (lsn, bytes) in [
@@ -996,18 +1038,7 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
     ] {
         log.append(lsn, &bytes).expect("append");
     }
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let url = target.connection_string("postgres");
-    let mut applier = rt.block_on(async {
-        let client = trellara_relay::flow::connect(&url, "target")
-            .await
-            .expect("connect");
-        trellara_relay::state::ensure(&client).await.expect("state");
-        trellara_relay::apply::Applier::new(client, "t", "src", "trellara.yml")
-    });
+    let mut applier = rig.applier();
     let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
     assert_eq!(
         stats.transactions, 2,
@@ -1070,17 +1101,13 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
     };
     log.append(w, &rows_chunk(0)).expect("append");
     log.append(w, &rows_chunk(1)).expect("append");
-    let mut patient = rt.block_on(async {
-        let client = trellara_relay::flow::connect(&url, "target")
-            .await
-            .expect("connect");
-        trellara_relay::apply::Applier::new(client, "t", "src", "trellara.yml")
-            .with_patience(std::time::Duration::from_secs(10))
-    });
+    let mut patient = rig
+        .applier()
+        .with_patience(std::time::Duration::from_secs(10));
     let (stats, ()) = rt.block_on(async {
         tokio::join!(patient.apply_log(&log), async {
             tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-            let reader = trellara_relay::flow::connect(&url, "target")
+            let reader = trellara_relay::flow::connect(&rig.url, "target")
                 .await
                 .expect("connect");
             let visible: i64 = reader
@@ -1129,29 +1156,13 @@ fn a_checkpoint_moved_by_another_writer_is_respected() {
 /// committed last, so nothing at or below the moved checkpoint is applied,
 /// and a row the other writer put there is not taken for a data error.
 fn a_checkpoint_moved_by_another_writer_is_respected_on(major: Major) {
-    let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+    let Some(rig) = ApplierRig::new(major) else {
         return;
     };
-    target.psql("CREATE TABLE public.sales (id bigint PRIMARY KEY, amount numeric, note text)");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (log, _) = trellara_relay::log::Log::open(
-        trellara_relay::log::storage::FsStorage::new(),
-        dir.path(),
-        trellara_relay::log::LogConfig::default(),
-    )
-    .expect("open");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let url = target.connection_string("postgres");
-    let mut applier = rt.block_on(async {
-        let client = trellara_relay::flow::connect(&url, "target")
-            .await
-            .expect("connect");
-        trellara_relay::state::ensure(&client).await.expect("state");
-        trellara_relay::apply::Applier::new(client, "t", "src", "trellara.yml")
-    });
+    let ApplierRig {
+        target, log, rt, ..
+    } = &rig;
+    let mut applier = rig.applier();
     let (a, b, c) = (0x1000_0000u64, 0x2000_0000u64, 0x3000_0000u64);
     log.append(a, &sales_chunk(a, 0, 1, 1)).expect("append");
     let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
