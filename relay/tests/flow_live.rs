@@ -1039,7 +1039,7 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
         log.append(lsn, &bytes).expect("append");
     }
     let mut applier = rig.applier();
-    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    let stats = rt.block_on(applier.apply_log(log)).expect("apply");
     assert_eq!(
         stats.transactions, 2,
         "X whole and Y; Z's last chunk is not durable yet"
@@ -1054,7 +1054,7 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
     );
 
     log.append(z, &sales_chunk(z, 1, 2, 6)).expect("append");
-    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    let stats = rt.block_on(applier.apply_log(log)).expect("apply");
     assert_eq!(stats.transactions, 1);
     assert_eq!(target.psql_value("SELECT count(*) FROM public.sales"), "6");
     // Redelivered whole: skipped and counted.
@@ -1063,7 +1063,7 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
         trellara_relay::log::CursorPosition::start_at(0),
     )
     .expect("rewind");
-    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    let stats = rt.block_on(applier.apply_log(log)).expect("apply");
     assert_eq!((stats.transactions, stats.duplicates_skipped), (0, 3));
 
     // With patience, a run whose last chunk is still being appended is
@@ -1105,7 +1105,7 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
         .applier()
         .with_patience(std::time::Duration::from_secs(10));
     let (stats, ()) = rt.block_on(async {
-        tokio::join!(patient.apply_log(&log), async {
+        tokio::join!(patient.apply_log(log), async {
             tokio::time::sleep(std::time::Duration::from_millis(300)).await;
             let reader = trellara_relay::flow::connect(&rig.url, "target")
                 .await
@@ -1165,14 +1165,14 @@ fn a_checkpoint_moved_by_another_writer_is_respected_on(major: Major) {
     let mut applier = rig.applier();
     let (a, b, c) = (0x1000_0000u64, 0x2000_0000u64, 0x3000_0000u64);
     log.append(a, &sales_chunk(a, 0, 1, 1)).expect("append");
-    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    let stats = rt.block_on(applier.apply_log(log)).expect("apply");
     assert_eq!(stats.transactions, 1);
 
     // Another writer claims B (its row is not there), then B and C arrive.
     target.psql("UPDATE trellara.checkpoints SET commit_lsn = '0/20000000' WHERE flow = 't'");
     log.append(b, &sales_chunk(b, 0, 1, 2)).expect("append");
     log.append(c, &sales_chunk(c, 0, 1, 3)).expect("append");
-    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    let stats = rt.block_on(applier.apply_log(log)).expect("apply");
     assert_eq!((stats.transactions, stats.duplicates_skipped), (1, 1));
     assert_eq!(
         target.psql_value("SELECT string_agg(id::text, ',' ORDER BY id) FROM public.sales"),
@@ -1191,7 +1191,7 @@ fn a_checkpoint_moved_by_another_writer_is_respected_on(major: Major) {
          UPDATE trellara.checkpoints SET commit_lsn = '0/40000000' WHERE flow = 't'; COMMIT",
     );
     log.append(d, &sales_chunk(d, 0, 1, 4)).expect("append");
-    let stats = rt.block_on(applier.apply_log(&log)).expect("apply");
+    let stats = rt.block_on(applier.apply_log(log)).expect("apply");
     assert_eq!((stats.transactions, stats.duplicates_skipped), (0, 1));
     assert_eq!(
         target.psql_value("SELECT count(*) FROM trellara.quarantine"),
