@@ -118,38 +118,24 @@ pub struct QuarantineRecord<'a> {
 }
 
 /// What the applier needs from a target database. Everything between
-/// `begin` and `commit` is one atomic target transaction; `quarantine` runs
-/// outside one (after the rollback).
+/// `begin` and `settle_and_commit` is one atomic target transaction;
+/// `quarantine` runs outside one (after the rollback).
 #[allow(async_fn_in_trait)] // used on one task; no Send bound needed
 pub trait Target {
     async fn begin(&mut self) -> Result<(), Refusal>;
-    async fn commit(&mut self) -> Result<(), Refusal>;
     /// Best effort: the session may be gone, which rolls back too.
     async fn rollback(&mut self);
     /// The flow's checkpoint, locked until commit so no other applier can
     /// interleave.
     async fn lock_checkpoint(&mut self, flow: &str) -> Result<Option<Lsn>, Refusal>;
-    /// Moves the checkpoint and the counts; returns how many quarantine
-    /// records it resolved.
-    async fn settle(
-        &mut self,
-        flow: &str,
-        source_id: &str,
-        settle: &Settle,
-    ) -> Result<u64, Refusal>;
-    /// [`settle`](Self::settle), then [`commit`](Self::commit); a target
-    /// that can send both at once overrides it. On an error the caller
-    /// rolls back.
+    /// Moves the checkpoint and the counts, then commits; returns how many
+    /// quarantine records it resolved. On an error the caller rolls back.
     async fn settle_and_commit(
         &mut self,
         flow: &str,
         source_id: &str,
         settle: &Settle,
-    ) -> Result<u64, Refusal> {
-        let resolved = self.settle(flow, source_id, settle).await?;
-        self.commit().await?;
-        Ok(resolved)
-    }
+    ) -> Result<u64, Refusal>;
     /// Inserts a run of rows of one relation.
     async fn insert_rows(
         &mut self,

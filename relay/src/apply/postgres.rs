@@ -152,75 +152,6 @@ impl PgTarget {
         Ok(statement)
     }
 
-    /// The checkpoint, counts and quarantine resolution of `settle`, and
-    /// with `commit` the `COMMIT` too, in one round trip.
-    async fn settle_pipelined(
-        &mut self,
-        flow: &str,
-        source_id: &str,
-        settle: &Settle,
-        commit: bool,
-    ) -> Result<u64, Refusal> {
-        self.open().await?;
-        // Resolving costs no round trip here (it is pipelined), so it is
-        // sent whenever something settled, whoever quarantined it.
-        let resolve = if settle.settled.is_empty() {
-            None
-        } else {
-            Some(self.prepared(RESOLVE_QUARANTINE).await?)
-        };
-        let counts = match &settle.last {
-            Some(_) => Some(self.prepared(UPSERT_CHECKPOINT).await?),
-            None if settle.duplicates > 0 => Some(self.prepared(COUNT_DUPLICATES).await?),
-            None => None,
-        };
-        let client = &self.client;
-        let checkpoint = async {
-            let Some(statement) = &counts else {
-                return Ok(0);
-            };
-            match &settle.last {
-                Some(last) => {
-                    client
-                        .execute(
-                            statement,
-                            &[
-                                &flow,
-                                &source_id,
-                                &last.commit_lsn.to_string(),
-                                &last.end_lsn.to_string(),
-                                &(last.xid as i64),
-                                &(settle.applied as i64),
-                                &(settle.duplicates as i64),
-                            ],
-                        )
-                        .await
-                }
-                None => {
-                    client
-                        .execute(statement, &[&flow, &(settle.duplicates as i64)])
-                        .await
-                }
-            }
-        };
-        let resolved = async {
-            let Some(statement) = &resolve else {
-                return Ok(0);
-            };
-            let settled: Vec<String> = settle.settled.iter().map(Lsn::to_string).collect();
-            client.execute(statement, &[&flow, &settled]).await
-        };
-        let end = async {
-            if commit {
-                client.batch_execute("COMMIT").await?;
-            }
-            Ok(())
-        };
-        // Polled in order, so the requests go out in this order at once.
-        let (_, resolved, ()) = tokio::try_join!(biased; checkpoint, resolved, end)?;
-        Ok(resolved)
-    }
-
     pub fn client(&self) -> &Client {
         &self.client
     }
@@ -355,14 +286,6 @@ impl Target for PgTarget {
         Ok(())
     }
 
-    async fn commit(&mut self) -> Result<(), Refusal> {
-        if std::mem::take(&mut self.begin_pending) {
-            return Ok(());
-        }
-        self.end_copy().await?;
-        Ok(self.client.batch_execute("COMMIT").await?)
-    }
-
     async fn rollback(&mut self) {
         // Dropping the sink aborts the COPY (CopyFail).
         self.copy = None;
@@ -404,22 +327,67 @@ impl Target for PgTarget {
         }
     }
 
-    async fn settle(
-        &mut self,
-        flow: &str,
-        source_id: &str,
-        settle: &Settle,
-    ) -> Result<u64, Refusal> {
-        self.settle_pipelined(flow, source_id, settle, false).await
-    }
-
+    /// The checkpoint, counts, quarantine resolution and `COMMIT` in one
+    /// round trip.
     async fn settle_and_commit(
         &mut self,
         flow: &str,
         source_id: &str,
         settle: &Settle,
     ) -> Result<u64, Refusal> {
-        self.settle_pipelined(flow, source_id, settle, true).await
+        self.open().await?;
+        // Resolving costs no round trip here (it is pipelined), so it is
+        // sent whenever something settled, whoever quarantined it.
+        let resolve = if settle.settled.is_empty() {
+            None
+        } else {
+            Some(self.prepared(RESOLVE_QUARANTINE).await?)
+        };
+        let counts = match &settle.last {
+            Some(_) => Some(self.prepared(UPSERT_CHECKPOINT).await?),
+            None if settle.duplicates > 0 => Some(self.prepared(COUNT_DUPLICATES).await?),
+            None => None,
+        };
+        let client = &self.client;
+        let checkpoint = async {
+            let Some(statement) = &counts else {
+                return Ok(0);
+            };
+            match &settle.last {
+                Some(last) => {
+                    client
+                        .execute(
+                            statement,
+                            &[
+                                &flow,
+                                &source_id,
+                                &last.commit_lsn.to_string(),
+                                &last.end_lsn.to_string(),
+                                &(last.xid as i64),
+                                &(settle.applied as i64),
+                                &(settle.duplicates as i64),
+                            ],
+                        )
+                        .await
+                }
+                None => {
+                    client
+                        .execute(statement, &[&flow, &(settle.duplicates as i64)])
+                        .await
+                }
+            }
+        };
+        let resolved = async {
+            let Some(statement) = &resolve else {
+                return Ok(0);
+            };
+            let settled: Vec<String> = settle.settled.iter().map(Lsn::to_string).collect();
+            client.execute(statement, &[&flow, &settled]).await
+        };
+        let end = client.batch_execute("COMMIT");
+        // Polled in order, so the requests go out in this order at once.
+        let (_, resolved, ()) = tokio::try_join!(biased; checkpoint, resolved, end)?;
+        Ok(resolved)
     }
 
     async fn insert_rows(

@@ -156,49 +156,9 @@ impl SimTarget {
     }
 }
 
-impl Target for SimTarget {
-    async fn begin(&mut self) -> Result<(), Refusal> {
-        self.open = Some(self.committed.clone());
-        Ok(())
-    }
-
-    async fn commit(&mut self) -> Result<(), Refusal> {
-        let db = self
-            .open
-            .take()
-            .ok_or_else(|| data("no transaction".into()))?;
-        self.commits += 1;
-        if let Some((nth, applied)) = self.faults.commit_lost
-            && self.commits == nth
-        {
-            self.fired += 1;
-            if applied {
-                self.committed = db;
-                self.observed.push(self.committed.clone());
-            }
-            return Err(Refusal::Transient(TargetError::Simulated(
-                "connection lost during COMMIT".into(),
-            )));
-        }
-        self.committed = db;
-        self.observed.push(self.committed.clone());
-        Ok(())
-    }
-
-    async fn rollback(&mut self) {
-        self.open = None;
-    }
-
-    async fn lock_checkpoint(&mut self, _flow: &str) -> Result<Option<Lsn>, Refusal> {
-        Ok(self.open()?.checkpoint.map(|c| c.commit_lsn))
-    }
-
-    async fn settle(
-        &mut self,
-        _flow: &str,
-        _source_id: &str,
-        settle: &Settle,
-    ) -> Result<u64, Refusal> {
+impl SimTarget {
+    /// Checkpoint, counts and quarantine resolution in the open transaction.
+    fn settle(&mut self, settle: &Settle) -> Result<u64, Refusal> {
         self.settles += 1;
         if self.faults.checkpoint_fails == Some(self.settles) {
             self.fired += 1;
@@ -225,6 +185,55 @@ impl Target for SimTarget {
             }
         }
         Ok(resolved)
+    }
+
+    fn commit(&mut self) -> Result<(), Refusal> {
+        let db = self
+            .open
+            .take()
+            .ok_or_else(|| data("no transaction".into()))?;
+        self.commits += 1;
+        if let Some((nth, applied)) = self.faults.commit_lost
+            && self.commits == nth
+        {
+            self.fired += 1;
+            if applied {
+                self.committed = db;
+                self.observed.push(self.committed.clone());
+            }
+            return Err(Refusal::Transient(TargetError::Simulated(
+                "connection lost during COMMIT".into(),
+            )));
+        }
+        self.committed = db;
+        self.observed.push(self.committed.clone());
+        Ok(())
+    }
+}
+
+impl Target for SimTarget {
+    async fn begin(&mut self) -> Result<(), Refusal> {
+        self.open = Some(self.committed.clone());
+        Ok(())
+    }
+
+    async fn settle_and_commit(
+        &mut self,
+        _flow: &str,
+        _source_id: &str,
+        settle: &Settle,
+    ) -> Result<u64, Refusal> {
+        let resolved = self.settle(settle)?;
+        self.commit()?;
+        Ok(resolved)
+    }
+
+    async fn rollback(&mut self) {
+        self.open = None;
+    }
+
+    async fn lock_checkpoint(&mut self, _flow: &str) -> Result<Option<Lsn>, Refusal> {
+        Ok(self.open()?.checkpoint.map(|c| c.commit_lsn))
     }
 
     async fn insert_rows(
