@@ -444,6 +444,12 @@ pub(crate) mod mutation {
 /// (the caller reports the durable position and ends the stream), or the
 /// error that ended the session. `hooks` stop it at the named crash points
 /// (the simulator's; production passes [`NoCrash`]).
+///
+/// Group commit is pipelined: what is decoded from data already received
+/// is written together, and while its fsync runs the loop goes on
+/// receiving and writing; the next fsync covers everything written
+/// meanwhile. So a live stream costs one fsync per fsync time, not one per
+/// transaction, and the source is acknowledged as each fsync returns.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
     config: &CaptureConfig,
@@ -459,21 +465,56 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
 ) -> Result<bool, CaptureError> {
     let mut in_stream_block = false;
     let mut pins_stored = pinned(config, log)?.len();
-    // Group commit: envelopes decoded from data already received are
-    // appended together, one fsync for the batch, and acknowledged after it.
     let mut batch = Batch::default();
+    // The fsync in flight: the written end it covers, and its wait.
+    type Syncing<'a> = (
+        u64,
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), crate::log::Error>> + 'a>>,
+    );
+    let mut syncing: Option<Syncing<'_>> = None;
     tracing::info!(slot = %config.slot, from = %resume.ack_lsn, "streaming");
     loop {
+        if let Some((end, wait)) = &mut syncing
+            && let Some(done) = futures_util::FutureExt::now_or_never(wait.as_mut())
+        {
+            done?;
+            let end = *end;
+            syncing = None;
+            batch.acknowledge(end, stream, hooks)?;
+        }
+        if syncing.is_none()
+            && let Some(&(end, _)) = batch.written.back()
+        {
+            syncing = Some((end, Box::pin(log.sync_through(end))));
+            continue;
+        }
         let event = if batch.records.is_empty() {
+            let synced = async {
+                match &mut syncing {
+                    Some((_, wait)) => wait.as_mut().await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
+                biased;
+                done = synced => {
+                    done?;
+                    if let Some((end, _)) = syncing.take() {
+                        batch.acknowledge(end, stream, hooks)?;
+                    }
+                    None
+                }
                 ev = stream.recv() => Some(ev?.ok_or(WireError::Closed)?),
                 () = tokio::time::sleep(config.status_interval) => None,
-                () = &mut shutdown => return Ok(true),
+                () = &mut shutdown => {
+                    batch.flush(log, stream, stats, hooks).await?;
+                    return Ok(true);
+                }
             }
         } else {
             let full = batch.bytes >= BATCH_BYTES || batch.records.len() >= BATCH_RECORDS;
             // recv is cancel-safe: polling it once loses nothing. When
-            // nothing more is already here, the batch goes to disk.
+            // nothing more is already here, the batch is written.
             let ready = if full {
                 None
             } else {
@@ -482,7 +523,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
             match ready {
                 Some(ev) => Some(ev?.ok_or(WireError::Closed)?),
                 None => {
-                    batch.flush(log, stream, stats, hooks)?;
+                    batch.write(log, stream, stats)?;
                     None
                 }
             }
@@ -503,7 +544,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                     // assembled before the refused message is whole and
                     // committed: make it durable and say so, or every rerun
                     // would lose it again at the same place.
-                    batch.flush(log, stream, stats, hooks)?;
+                    batch.flush(log, stream, stats, hooks).await?;
                     stream.send_status().await?;
                     return Err(e);
                 }
@@ -529,27 +570,31 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
     }
 }
 
-/// Appends gathered in one durability wait.
+/// Appends gathered in one write.
 const BATCH_BYTES: usize = 8 << 20;
 const BATCH_RECORDS: usize = 1000;
 
-/// Envelopes assembled but not yet appended.
+/// Envelopes assembled but not yet written, and what was written but is
+/// not yet known durable.
 #[derive(Debug, Default)]
 struct Batch {
     records: Vec<(u64, Vec<u8>)>,
     bytes: usize,
     /// End LSN of the last complete transaction in the batch.
     ack: Option<Lsn>,
+    /// Written writes in order: where each ends in the log, and the end
+    /// LSN the source may move to once it is durable.
+    written: std::collections::VecDeque<(u64, Option<Lsn>)>,
 }
 
 impl Batch {
-    /// Appends everything (one fsync), then lets the source position move.
-    fn flush<S: Storage>(
+    /// Writes the records (not yet durable); their acknowledgement waits
+    /// in `written` for an fsync.
+    fn write<S: Storage>(
         &mut self,
         log: &Log<S>,
         stream: &mut impl SourceStream,
         stats: &mut CaptureStats,
-        hooks: &dyn CrashHooks,
     ) -> Result<(), CaptureError> {
         #[cfg(test)]
         if mutation::ACK_BEFORE_APPEND.with(std::cell::Cell::get)
@@ -557,19 +602,65 @@ impl Batch {
         {
             stream.set_durable(ack);
         }
-        if !self.records.is_empty() {
-            log.append_batch(
-                self.records
-                    .iter()
-                    .map(|(lsn, bytes)| (*lsn, bytes.as_slice())),
-            )?;
-            stats.envelopes += self.records.len() as u64;
-            self.records.clear();
-            self.bytes = 0;
+        #[cfg(not(test))]
+        let _ = stream;
+        if self.records.is_empty() {
+            if let Some(ack) = self.ack.take() {
+                self.written.push_back((log.written_end(), Some(ack)));
+            }
+            return Ok(());
+        }
+        let written = log.write_batch(
+            self.records
+                .iter()
+                .map(|(lsn, bytes)| (*lsn, bytes.as_slice())),
+        )?;
+        stats.envelopes += self.records.len() as u64;
+        self.records.clear();
+        self.bytes = 0;
+        self.written.push_back((written.end, self.ack.take()));
+        Ok(())
+    }
+
+    /// Everything written up to `durable` (an end offset) is durable: the
+    /// source may move past it.
+    fn acknowledge(
+        &mut self,
+        durable: u64,
+        stream: &mut impl SourceStream,
+        hooks: &dyn CrashHooks,
+    ) -> Result<(), CaptureError> {
+        let mut ack = None;
+        let mut appended = false;
+        while let Some(&(end, lsn)) = self.written.front()
+            && end <= durable
+        {
+            self.written.pop_front();
+            appended = true;
+            ack = lsn.or(ack);
+        }
+        if appended {
             crash(hooks, CrashPoint::AppendedNotAcknowledged)?;
         }
-        if let Some(ack) = self.ack.take() {
+        if let Some(ack) = ack {
             stream.set_durable(ack);
+        }
+        Ok(())
+    }
+
+    /// Writes everything and returns once all of it is durable and
+    /// acknowledged.
+    async fn flush<S: Storage>(
+        &mut self,
+        log: &Log<S>,
+        stream: &mut impl SourceStream,
+        stats: &mut CaptureStats,
+        hooks: &dyn CrashHooks,
+    ) -> Result<(), CaptureError> {
+        self.write(log, stream, stats)?;
+        if let Some(&(end, _)) = self.written.back() {
+            log.sync_through(end).await?;
+            self.acknowledge(end, stream, hooks)?;
         }
         Ok(())
     }
@@ -642,7 +733,7 @@ async fn handle_event<S: Storage>(
                 // memory stays bounded; the source is acknowledged only at
                 // the end of a complete transaction.
                 if batch.bytes >= BATCH_BYTES {
-                    batch.flush(log, stream, stats, hooks)?;
+                    batch.write(log, stream, stats)?;
                 }
                 Ok(())
             };
@@ -659,7 +750,7 @@ async fn handle_event<S: Storage>(
             // Everything up to wal_end was sent and processed; with nothing
             // open here and everything appended, no committed transaction
             // lies below it that is not durable. Record the advance first.
-            batch.flush(log, stream, stats, hooks)?;
+            batch.flush(log, stream, stats, hooks).await?;
             let open = assembler.in_transaction();
             #[cfg(test)]
             let open = open && !mutation::KEEPALIVE_IN_TRANSACTION.with(std::cell::Cell::get);

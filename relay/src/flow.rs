@@ -319,8 +319,6 @@ pub async fn run_watched<W: Watch>(
         .unwrap_or(Lsn::ZERO);
     let (tx, mut rx) = tokio::sync::watch::channel(Lsn::ZERO);
     let tx = Arc::new(tx);
-    // The applier wakes as soon as capture made something durable.
-    let mut durable_rx = tx.subscribe();
     let config = CaptureConfig {
         source: source_url.parse().map_err(|e| {
             crate::config::ConfigIssue::new(
@@ -409,12 +407,22 @@ pub async fn run_watched<W: Watch>(
         crate::config::Transport::Local { .. } => None,
     };
     let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
-        .with_patience(CHUNK_PATIENCE);
+        .with_patience(CHUNK_PATIENCE)
+        .with_cursor_every(CURSOR_EVERY);
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
         let mut total = ApplyStats::default();
         let mut last_retention = std::time::Instant::now();
+        // The applier wakes as soon as capture wrote something (it commits
+        // only once that is durable); the Kafka publisher forwards only
+        // what is durable.
+        let mut moved = log.subscribe();
+        let horizon = || match kafka {
+            None => log.written_end(),
+            Some(_) => log.next_offset(),
+        };
         loop {
+            let seen = horizon();
             let finished = *done_rx.borrow();
             let round = match &kafka {
                 None => applier.apply_log(&log).await,
@@ -423,7 +431,15 @@ pub async fn run_watched<W: Watch>(
                     Err(e) => Err(e.into()),
                 },
             };
-            match round {
+            // Idle (or done): what the cursor has not persisted yet goes now.
+            let persisted = match &round {
+                Ok(stats) if stats.transactions == 0 || finished => match &kafka {
+                    None => applier.persist_cursor(&log),
+                    Some((_, feed)) => applier.persist_cursor(feed),
+                },
+                _ => Ok(()),
+            };
+            match round.and_then(|stats| persisted.map(|()| stats)) {
                 Ok(stats) => crate::apply::accumulate(&mut total, stats),
                 Err(e) => {
                     let _ = failed_tx.send(true);
@@ -456,12 +472,20 @@ pub async fn run_watched<W: Watch>(
                 enforce_retention(&log);
             }
             if finished {
+                let persisted = match &kafka {
+                    None => applier.persist_cursor(&log),
+                    Some((_, feed)) => applier.persist_cursor(feed),
+                };
+                if let Err(e) = persisted {
+                    let _ = failed_tx.send(true);
+                    return Err(e);
+                }
                 return Ok(total);
             }
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_millis(50)) => {}
                 _ = done_rx.changed() => {}
-                _ = durable_rx.changed() => {}
+                _ = moved.wait_for(|()| horizon() > seen) => {}
             }
         }
     };
@@ -691,6 +715,8 @@ const RETENTION_EVERY: Duration = Duration::from_secs(10);
 /// open waiting for its next chunk before it rolls back and retries later
 /// (capture stopped mid-run, or stalled).
 const CHUNK_PATIENCE: Duration = Duration::from_secs(2);
+/// How often the applier persists its log cursor while it applies.
+const CURSOR_EVERY: Duration = Duration::from_millis(500);
 
 /// Deletes segments every consumer has passed, within the flow's size
 /// limit; what a lagging consumer holds is reported, never deleted.

@@ -509,12 +509,13 @@ async fn flush<S: crate::log::storage::Storage, W: tokio::io::AsyncWrite + Unpin
         send_ack(write, end_lsn, hooks).await?;
     }
     if !pending.records.is_empty() {
-        log.append_batch(
+        log.append_batch_async(
             pending
                 .records
                 .iter()
                 .map(|(lsn, bytes)| (*lsn, bytes.as_slice())),
         )
+        .await
         .map_err(NativeError::from)?;
         stats.envelopes += pending.records.len() as u64;
         pending.records.clear();

@@ -81,6 +81,9 @@ pub enum Refusal {
     Transient(TargetError),
     /// The process died here (simulator only): no rollback, no quarantine.
     Crashed(CrashPoint),
+    /// The records being applied could not be made durable (a poisoned
+    /// log): the transaction must not commit.
+    Undurable(Box<ApplyError>),
 }
 
 /// Where the checkpoint moves: the last applied transaction of a target
@@ -125,9 +128,16 @@ pub trait Target {
     async fn begin(&mut self) -> Result<(), Refusal>;
     /// Best effort: the session may be gone, which rolls back too.
     async fn rollback(&mut self);
-    /// The flow's checkpoint, locked until commit so no other applier can
-    /// interleave.
-    async fn lock_checkpoint(&mut self, flow: &str) -> Result<Option<Lsn>, Refusal>;
+    /// Answers the checkpoint lock later: statements sent behind it do not
+    /// wait for it. The target answers in order, so poll it alongside them.
+    type Lock: std::future::Future<Output = Result<Option<Lsn>, Refusal>>;
+    /// Sends the lock of the flow's checkpoint (held until commit, so no
+    /// other applier can interleave) and returns its answer to come.
+    async fn send_lock_checkpoint(&mut self, flow: &str) -> Result<Self::Lock, Refusal>;
+    /// The flow's checkpoint, locked until commit.
+    async fn lock_checkpoint(&mut self, flow: &str) -> Result<Option<Lsn>, Refusal> {
+        self.send_lock_checkpoint(flow).await?.await
+    }
     /// Moves the checkpoint and the counts, then commits; returns how many
     /// quarantine records it resolved. On an error the caller rolls back.
     async fn settle_and_commit(
@@ -182,6 +192,26 @@ pub struct Applier<T: Target = PgTarget> {
     source_id: String,
     config_path: String,
     patience: Option<Duration>,
+    /// The checkpoint as this applier last committed or read it (`None`:
+    /// unknown, read it lock first).
+    known_checkpoint: Option<Option<Lsn>>,
+    cursor: LazyCursor,
+}
+
+/// Where the applier is in its records, ahead of its persisted cursor.
+/// The target checkpoint is what exactly-once rests on; the cursor only
+/// says where the next run starts reading and what retention may delete.
+/// So it is persisted at most every `every` (two fsyncs each on the local
+/// log): a crash costs the redelivery of what came after, which the
+/// checkpoint skips and counts.
+#[derive(Debug, Default)]
+struct LazyCursor {
+    every: Duration,
+    /// The next offset to read (set once something was applied).
+    next: Option<u64>,
+    /// The last applied record not yet persisted: (offset, commit LSN).
+    unpersisted: Option<(u64, u64)>,
+    persisted_at: Option<std::time::Instant>,
 }
 
 impl<T: Target> std::fmt::Debug for Applier<T> {
@@ -241,6 +271,14 @@ enum Chunked {
     Incomplete,
     /// The run was cut by a crash; this record starts what follows.
     Restart(crate::log::Record),
+}
+
+/// How one try at a batch ended.
+enum Attempt {
+    /// Committed; the checkpoint is now this.
+    Committed(Option<Lsn>),
+    /// Rolled back: the checkpoint was not the one assumed.
+    Moved,
 }
 
 enum ChunkStep {
@@ -327,7 +365,9 @@ pub fn cursor_name(flow: &str) -> String {
 /// Where the applier reads committed transactions from: the local log (the
 /// cursor `applier-<flow>`), or a Kafka feed (its consumer group's offset).
 /// Offsets are the source's own; `applied` is called only after the target
-/// committed everything up to the offset.
+/// committed everything up to the offset. A source may hand out records
+/// before they are durable (the local log does, so the target works while
+/// the fsync runs); the applier commits them only after `durable`.
 #[allow(async_fn_in_trait)] // used on one task; no Send bound needed
 pub trait Records {
     type Reader<'a>: RecordReader
@@ -339,6 +379,11 @@ pub trait Records {
     /// Everything up to and including `offset` (of commit `commit_lsn`) is
     /// applied.
     fn applied(&self, consumer: &str, offset: u64, commit_lsn: u64) -> Result<(), ApplyError>;
+    /// Returns once every record up to and including `offset` is durable.
+    async fn durable(&self, offset: u64) -> Result<(), ApplyError> {
+        let _ = offset;
+        Ok(())
+    }
     /// Waits up to `patience` for records past `offset` (the rest of a
     /// chunk run still being appended); false when none came. A source
     /// that cannot wait says false at once, and the run is read again
@@ -364,25 +409,31 @@ impl<S: Storage> Records for Log<S> {
         Ok(self.register_consumer(consumer)?.next_offset)
     }
 
+    /// Records as soon as they are written: the applier sends their rows
+    /// while capture's fsync runs, and commits after [`Records::durable`].
     fn read_from(&self, offset: u64) -> Result<Self::Reader<'_>, ApplyError> {
-        Ok(Log::read_from(self, offset)?)
+        Ok(Log::read_written_from(self, offset)?)
     }
 
     fn applied(&self, consumer: &str, offset: u64, commit_lsn: u64) -> Result<(), ApplyError> {
         Ok(self.commit_cursor(consumer, CursorPosition::after(offset, commit_lsn))?)
     }
 
-    /// Polls the durable end every millisecond: the writer may be another
-    /// task of this thread, which runs while this one sleeps.
+    async fn durable(&self, offset: u64) -> Result<(), ApplyError> {
+        Ok(self.sync_through(offset + 1).await?)
+    }
+
     async fn wait_for_more(&self, offset: u64, patience: Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + patience;
-        while self.next_offset() <= offset {
-            if tokio::time::Instant::now() >= deadline {
-                return false;
+        let mut moved = self.subscribe();
+        let more = async {
+            while self.written_end() <= offset {
+                if moved.changed().await.is_err() {
+                    return false;
+                }
             }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        true
+            true
+        };
+        tokio::time::timeout(patience, more).await.unwrap_or(false)
     }
 }
 
@@ -440,6 +491,8 @@ impl<T: Target> Applier<T> {
             source_id: source_id.to_owned(),
             config_path: config_path.to_owned(),
             patience: None,
+            known_checkpoint: None,
+            cursor: LazyCursor::default(),
         }
     }
 
@@ -450,6 +503,48 @@ impl<T: Target> Applier<T> {
     pub fn with_patience(mut self, patience: Duration) -> Self {
         self.patience = Some(patience);
         self
+    }
+
+    /// Persists the log cursor at most every `every` instead of after each
+    /// target commit (the default); [`persist_cursor`](Self::persist_cursor)
+    /// persists what is left.
+    pub fn with_cursor_every(mut self, every: Duration) -> Self {
+        self.cursor.every = every;
+        self
+    }
+
+    /// Persists the log cursor where the last target commit left it.
+    pub fn persist_cursor<R: Records>(&mut self, log: &R) -> Result<(), ApplyError> {
+        if let Some((offset, commit_lsn)) = self.cursor.unpersisted.take() {
+            log.applied(&cursor_name(&self.flow), offset, commit_lsn)?;
+            self.cursor.persisted_at = Some(std::time::Instant::now());
+        }
+        Ok(())
+    }
+
+    /// After a target commit through `offset`: the cursor moves past it, on
+    /// disk too when it is due.
+    fn moved_past<R: Records>(
+        &mut self,
+        log: &R,
+        cursor: &str,
+        offset: u64,
+        commit_lsn: u64,
+    ) -> Result<(), ApplyError> {
+        self.cursor.next = Some(offset + 1);
+        let due = self.cursor.every.is_zero()
+            || self
+                .cursor
+                .persisted_at
+                .is_none_or(|at| at.elapsed() >= self.cursor.every);
+        if due {
+            log.applied(cursor, offset, commit_lsn)?;
+            self.cursor.unpersisted = None;
+            self.cursor.persisted_at = Some(std::time::Instant::now());
+        } else {
+            self.cursor.unpersisted = Some((offset, commit_lsn));
+        }
+        Ok(())
     }
 
     pub fn target(&self) -> &T {
@@ -469,7 +564,10 @@ impl<T: Target> Applier<T> {
         hooks: &dyn CrashHooks,
     ) -> Result<ApplyStats, ApplyError> {
         let name = cursor_name(&self.flow);
-        let start = log.start(&name)?;
+        let start = match self.cursor.next {
+            Some(next) => next,
+            None => log.start(&name)?,
+        };
         let mut stats = ApplyStats::default();
         let mut reader = log.read_from(start)?;
         let mut pending = None;
@@ -551,19 +649,23 @@ impl<T: Target> Applier<T> {
         {
             log.applied(cursor, last.last_offset, last.commit_lsn)?;
         }
-        match self.apply_transactions(batch, &mut tentative, hooks).await {
+        match self
+            .apply_transactions(log, batch, &mut tentative, hooks)
+            .await
+        {
             Ok(()) => {
                 accumulate(stats, tentative);
                 if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
                     return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
                 }
                 if let Some(last) = batch.last() {
-                    log.applied(cursor, last.last_offset, last.commit_lsn)?;
+                    self.moved_past(log, cursor, last.last_offset, last.commit_lsn)?;
                 }
                 return Ok(());
             }
             Err(Refusal::Transient(e)) => return Err(ApplyError::Target(e)),
             Err(Refusal::Crashed(point)) => return Err(ApplyError::Crashed(point)),
+            Err(Refusal::Undurable(e)) => return Err(*e),
             Err(Refusal::Data(reason)) if single => {
                 let txn = &batch[0];
                 let bytes = txn
@@ -616,54 +718,80 @@ impl<T: Target> Applier<T> {
         })
     }
 
-    async fn apply_transactions(
+    /// One target transaction for the whole batch. When this applier knows
+    /// the checkpoint (it committed or read it last in this session), the
+    /// rows go out behind the checkpoint lock without waiting for its
+    /// answer: one round trip before a small transaction's rows land
+    /// instead of two. If the answer differs (another writer moved it), the
+    /// transaction is rolled back, whatever its statements met, and
+    /// applied again lock first.
+    async fn apply_transactions<R: Records>(
         &mut self,
+        log: &R,
         batch: &[SourceTxn],
         stats: &mut ApplyStats,
         hooks: &dyn CrashHooks,
     ) -> Result<(), Refusal> {
+        let mut assumed = self.known_checkpoint.take();
+        loop {
+            match self.apply_once(log, batch, stats, hooks, assumed).await? {
+                Attempt::Committed(checkpoint) => {
+                    self.known_checkpoint = Some(checkpoint);
+                    return Ok(());
+                }
+                Attempt::Moved => {
+                    tracing::info!(flow = %self.flow, "the checkpoint moved behind this applier: applying again lock first");
+                    *stats = ApplyStats::default();
+                    assumed = None;
+                }
+            }
+        }
+    }
+
+    /// [`apply_transactions`](Self::apply_transactions) once, assuming the
+    /// checkpoint is `assumed` if given.
+    async fn apply_once<R: Records>(
+        &mut self,
+        log: &R,
+        batch: &[SourceTxn],
+        stats: &mut ApplyStats,
+        hooks: &dyn CrashHooks,
+        assumed: Option<Option<Lsn>>,
+    ) -> Result<Attempt, Refusal> {
         self.target.begin().await?;
         let result = async {
-            let checkpoint = self.target.lock_checkpoint(&self.flow).await?;
-            #[cfg(test)]
-            let checkpoint =
-                checkpoint.filter(|_| !mutation::IGNORE_CHECKPOINT.with(std::cell::Cell::get));
-            let mut applied: Vec<&SourceTxn> = Vec::new();
-            let mut settled = Vec::new();
-            let mut pending = Pending::default();
-            // The checkpoint as this batch moves it: a redelivered copy in
-            // the same batch (Kafka's at-least-once tail) is a duplicate too.
-            let mut high = checkpoint;
-            for txn in batch {
-                settled.push(Lsn(txn.commit_lsn));
-                if high.is_some_and(|c| c >= Lsn(txn.commit_lsn)) {
-                    stats.duplicates_skipped += 1;
-                    continue;
+            let lock = self.target.send_lock_checkpoint(&self.flow).await?;
+            let (checkpoint, settle) = match assumed {
+                Some(assumed) => {
+                    let (locked, settle) =
+                        tokio::join!(biased; lock, self.write_rows(batch, assumed, stats));
+                    // The lock answered first: its error, or a checkpoint
+                    // moved by another writer, explains whatever the rows
+                    // behind it met.
+                    if locked? != assumed {
+                        return Ok(None);
+                    }
+                    (assumed, settle)
                 }
-                for env in &txn.envelopes {
-                    self.apply_envelope(env, stats, &mut pending).await?;
+                None => {
+                    let locked = lock.await?;
+                    (locked, self.write_rows(batch, locked, stats).await)
                 }
-                high = Some(Lsn(txn.commit_lsn));
-                applied.push(txn);
-            }
-            self.flush(&mut pending).await?;
-            let last = applied.last().map(|t| Checkpoint {
-                commit_lsn: Lsn(t.commit_lsn),
-                end_lsn: Lsn(t.envelopes.last().map_or(t.commit_lsn, |e| e.end_lsn)),
-                xid: t.envelopes.first().map_or(0, |e| e.xid),
-            });
-            let settle = Settle {
-                last,
-                applied: applied.len() as u64,
-                duplicates: stats.duplicates_skipped,
-                settled,
             };
+            let settle = settle?;
             crash(hooks, CrashPoint::AppliedNotCommitted)?;
-            Ok(settle)
+            // The rows went out while the batch's fsync ran; nothing of it
+            // commits before the log holds it durably.
+            if let Some(last) = batch.last() {
+                log.durable(last.last_offset)
+                    .await
+                    .map_err(|e| Refusal::Undurable(Box::new(e)))?;
+            }
+            Ok(Some((checkpoint, settle)))
         }
         .await;
         match result {
-            Ok(settle) => {
+            Ok(Some((checkpoint, settle))) => {
                 match self
                     .target
                     .settle_and_commit(&self.flow, &self.source_id, &settle)
@@ -672,7 +800,9 @@ impl<T: Target> Applier<T> {
                     Ok(resolved) => {
                         stats.quarantine_resolved += resolved;
                         stats.transactions += settle.applied;
-                        Ok(())
+                        Ok(Attempt::Committed(
+                            settle.last.map(|l| l.commit_lsn).or(checkpoint),
+                        ))
                     }
                     Err(refusal) => {
                         self.target.rollback().await;
@@ -680,12 +810,59 @@ impl<T: Target> Applier<T> {
                     }
                 }
             }
+            Ok(None) => {
+                self.target.rollback().await;
+                Ok(Attempt::Moved)
+            }
             Err(Refusal::Crashed(point)) => Err(Refusal::Crashed(point)),
             Err(refusal) => {
                 self.target.rollback().await;
                 Err(refusal)
             }
         }
+    }
+
+    /// Sends the rows of every transaction above `checkpoint`; returns what
+    /// commits with them.
+    async fn write_rows(
+        &mut self,
+        batch: &[SourceTxn],
+        checkpoint: Option<Lsn>,
+        stats: &mut ApplyStats,
+    ) -> Result<Settle, Refusal> {
+        #[cfg(test)]
+        let checkpoint =
+            checkpoint.filter(|_| !mutation::IGNORE_CHECKPOINT.with(std::cell::Cell::get));
+        let mut applied: Vec<&SourceTxn> = Vec::new();
+        let mut settled = Vec::new();
+        let mut pending = Pending::default();
+        // The checkpoint as this batch moves it: a redelivered copy in the
+        // same batch (Kafka's at-least-once tail) is a duplicate too.
+        let mut high = checkpoint;
+        for txn in batch {
+            settled.push(Lsn(txn.commit_lsn));
+            if high.is_some_and(|c| c >= Lsn(txn.commit_lsn)) {
+                stats.duplicates_skipped += 1;
+                continue;
+            }
+            for env in &txn.envelopes {
+                self.apply_envelope(env, stats, &mut pending).await?;
+            }
+            high = Some(Lsn(txn.commit_lsn));
+            applied.push(txn);
+        }
+        self.flush(&mut pending).await?;
+        let last = applied.last().map(|t| Checkpoint {
+            commit_lsn: Lsn(t.commit_lsn),
+            end_lsn: Lsn(t.envelopes.last().map_or(t.commit_lsn, |e| e.end_lsn)),
+            xid: t.envelopes.first().map_or(0, |e| e.xid),
+        });
+        Ok(Settle {
+            last,
+            applied: applied.len() as u64,
+            duplicates: stats.duplicates_skipped,
+            settled,
+        })
     }
 
     /// A chunked transaction, one chunk in memory at a time, in one target
@@ -702,6 +879,8 @@ impl<T: Target> Applier<T> {
         hooks: &dyn CrashHooks,
     ) -> Result<Chunked, ApplyError> {
         let ChunkedRun { first, first_bytes } = run;
+        // Large transactions lock first; the next batch does too.
+        self.known_checkpoint = None;
         let commit = first.commit_lsn;
         let xid = first.xid;
         let mut tentative = ApplyStats::default();
@@ -746,6 +925,9 @@ impl<T: Target> Applier<T> {
                             .map_err(|e| Refusal::Data(e.to_string()))?;
                     }
                     crash(hooks, CrashPoint::AppliedNotCommitted)?;
+                    log.durable(reader.next_offset().saturating_sub(1))
+                        .await
+                        .map_err(|e| Refusal::Undurable(Box::new(e)))?;
                     return Ok(ChunkStep::Done(settle));
                 }
                 let mut next = reader
@@ -792,7 +974,7 @@ impl<T: Target> Applier<T> {
                         if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
                             return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
                         }
-                        log.applied(cursor, last, commit)?;
+                        self.moved_past(log, cursor, last, commit)?;
                         return Ok(Chunked::Applied);
                     }
                     Err(refusal) => refusal,
@@ -811,6 +993,10 @@ impl<T: Target> Applier<T> {
         };
         match refusal {
             Refusal::Crashed(point) => Err(ApplyError::Crashed(point)),
+            Refusal::Undurable(e) => {
+                self.target.rollback().await;
+                Err(*e)
+            }
             Refusal::Transient(e) => {
                 self.target.rollback().await;
                 Err(ApplyError::Target(e))

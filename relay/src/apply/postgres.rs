@@ -5,12 +5,18 @@
 //!
 //! Round trips are the latency of a small transaction, so the session
 //! pipelines what does not depend on an answer: `BEGIN` goes with the
-//! checkpoint lock, and the checkpoint, the quarantine resolution and
-//! `COMMIT` go together. If a pipelined statement fails, the server turns
-//! the `COMMIT` behind it into a rollback, so nothing half-settled commits.
+//! checkpoint lock, the rows can follow before the lock is answered
+//! ([`Target::send_lock_checkpoint`]), and the checkpoint, the quarantine
+//! resolution and `COMMIT` go together. If a pipelined statement fails, the
+//! server turns the `COMMIT` behind it into a rollback, so nothing
+//! half-settled commits.
 
 use super::{QuarantineRecord, Refusal, Settle, Target, TargetError};
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Poll;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Statement};
 use trellara_common::Lsn;
@@ -71,7 +77,9 @@ struct TargetTable {
 
 /// One target session with its table and statement caches.
 pub struct PgTarget {
-    client: Client,
+    /// Shared with a checkpoint lock in flight, which answers after the
+    /// statements sent behind it.
+    client: Arc<Client>,
     tables: HashMap<String, TargetTable>,
     statements: HashMap<String, Statement>,
     /// `begin` was called and `BEGIN` is not sent yet: it goes with the
@@ -124,7 +132,7 @@ fn quote_ident(name: &str) -> String {
 impl PgTarget {
     pub fn new(client: Client) -> Self {
         PgTarget {
-            client,
+            client: Arc::new(client),
             tables: HashMap::new(),
             statements: HashMap::new(),
             begin_pending: false,
@@ -297,33 +305,44 @@ impl Target for PgTarget {
         let _ = self.client.batch_execute("ROLLBACK").await;
     }
 
-    /// Locked until commit, so no other applier can interleave; sent
-    /// together with the held-back `BEGIN`.
-    async fn lock_checkpoint(&mut self, flow: &str) -> Result<Option<Lsn>, Refusal> {
+    type Lock = Pin<Box<dyn Future<Output = Result<Option<Lsn>, Refusal>>>>;
+
+    /// Sent at once, together with the held-back `BEGIN`.
+    async fn send_lock_checkpoint(&mut self, flow: &str) -> Result<Self::Lock, Refusal> {
         self.end_copy().await?;
         let statement = self.prepared(LOCK_CHECKPOINT).await?;
         let begin = std::mem::take(&mut self.begin_pending);
-        let client = &self.client;
-        let ((), row) = tokio::try_join!(
-            biased;
-            async {
-                if begin {
-                    client.batch_execute("BEGIN").await?;
+        let client = Arc::clone(&self.client);
+        let flow = flow.to_owned();
+        let mut lock: Self::Lock = Box::pin(async move {
+            let ((), row) = tokio::try_join!(
+                biased;
+                async {
+                    if begin {
+                        client.batch_execute("BEGIN").await?;
+                    }
+                    Ok(())
+                },
+                async { client.query_opt(&statement, &[&flow]).await }
+            )?;
+            match row {
+                None => Ok(None),
+                Some(r) => {
+                    let text: String = r.get(0);
+                    text.parse().map(Some).map_err(|_| {
+                        Refusal::Data(format!(
+                            "the checkpoint of flow {flow} reads {text:?}, not an LSN"
+                        ))
+                    })
                 }
-                Ok(())
-            },
-            async { client.query_opt(&statement, &[&flow]).await }
-        )?;
-        match row {
-            None => Ok(None),
-            Some(r) => {
-                let text: String = r.get(0);
-                text.parse().map(Some).map_err(|_| {
-                    Refusal::Data(format!(
-                        "the checkpoint of flow {flow} reads {text:?}, not an LSN"
-                    ))
-                })
             }
+        });
+        // The first poll puts both requests on the wire, so whatever is
+        // sent next goes behind them.
+        let sent = std::future::poll_fn(|cx| Poll::Ready(lock.as_mut().poll(cx))).await;
+        match sent {
+            Poll::Pending => Ok(lock),
+            Poll::Ready(answer) => Ok(Box::pin(std::future::ready(answer))),
         }
     }
 

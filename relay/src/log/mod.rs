@@ -16,10 +16,14 @@
 //!
 //! Invariants (each has a test in `relay/tests/log_*.rs`):
 //! * **Publish durably, then acknowledge.** `append*` returns `Ok` only after
-//!   an fsync that covers the record returned. Readers and
+//!   an fsync that covers the record returned. [`Log::read_from`] readers and
 //!   [`Log::last_durable`] see only such records, so nothing a consumer saw
 //!   can vanish in a crash. A crash between fsync and the caller's
 //!   acknowledgement costs a duplicate, never a gap.
+//! * **Early readers wait before they commit.** A [`Log::read_written_from`]
+//!   reader also sees records written but not yet durable, so a consumer
+//!   can start on a record while its fsync runs; it must make nothing of
+//!   it durable elsewhere before [`Log::sync_through`] covers the record.
 //! * **Offsets are dense.** Records are numbered 0, 1, 2, ... across
 //!   segments with no holes; retention deletes only whole segments from the
 //!   front.
@@ -68,7 +72,7 @@ pub use frame::{
     SEGMENT_MAGIC,
 };
 pub use index::{INDEX_ENTRY_LEN, INDEX_HEADER_LEN, INDEX_MAGIC};
-pub use reader::{Reader, Record};
+pub use reader::{Horizon, Reader, Record};
 pub use retention::{ConsumerPressure, DeletedSegment, RetentionPolicy, RetentionReport};
 pub use spill::SpillBuffer;
 
@@ -221,6 +225,12 @@ pub(crate) struct Shared<S: Storage> {
     segments: RwLock<Vec<Arc<Segment<S::File>>>>,
     /// One past the last durable record.
     durable_next: AtomicU64,
+    /// One past the last record whose bytes are in its segment file,
+    /// durable or not (`>= durable_next`).
+    written_next: AtomicU64,
+    /// Bumped whenever `written_next` or `durable_next` moves or the log is
+    /// poisoned: async waiters subscribe to it (threads use `synced`).
+    moved: tokio::sync::watch::Sender<()>,
     last_durable: Mutex<Option<Durable>>,
     writer: Mutex<WriterState<S::File>>,
     /// Signalled whenever the durable watermark moves or the log is poisoned.
@@ -255,11 +265,25 @@ impl<S: Storage> Shared<S> {
         self.durable_next.load(Ordering::Acquire)
     }
 
+    fn written_next(&self) -> u64 {
+        self.written_next.load(Ordering::Acquire)
+    }
+
     /// Publishes a new durable watermark (called under the writer mutex, so
     /// it only moves forward).
     fn publish_durable(&self, next: u64, last: Option<Durable>) {
         *relock(&self.last_durable) = last;
         self.durable_next.store(next, Ordering::Release);
+        self.moved.send_replace(());
+    }
+
+    /// Publishes how far records are in their segment files (called under
+    /// the writer mutex once nothing is left in the scratch buffer).
+    fn publish_written(&self, next: u64) {
+        if next > self.written_next.load(Ordering::Relaxed) {
+            self.written_next.store(next, Ordering::Release);
+            self.moved.send_replace(());
+        }
     }
 }
 
@@ -336,6 +360,8 @@ impl<S: Storage> Log<S> {
             config,
             segments: RwLock::new(recovered.segments),
             durable_next: AtomicU64::new(next),
+            written_next: AtomicU64::new(next),
+            moved: tokio::sync::watch::Sender::new(()),
             last_durable: Mutex::new(recovered.last),
             writer: Mutex::new(WriterState::new(
                 active,
@@ -369,7 +395,7 @@ impl<S: Storage> Log<S> {
     /// Appends one record and returns its offset once it is durable.
     pub fn append(&self, commit_lsn: u64, payload: &[u8]) -> Result<u64, Error> {
         self.shared
-            .append_records(&[(commit_lsn, payload)])
+            .append_records(&[(commit_lsn, payload)], true)
             .map(|range| range.start)
     }
 
@@ -381,7 +407,52 @@ impl<S: Storage> Log<S> {
         records: impl IntoIterator<Item = (u64, P)>,
     ) -> Result<Range<u64>, Error> {
         let records: Vec<(u64, P)> = records.into_iter().collect();
-        self.shared.append_records(&records)
+        self.shared.append_records(&records, true)
+    }
+
+    /// Writes records in order without waiting for them to be durable:
+    /// [`Log::read_written_from`] readers see them at once, nothing else
+    /// does until [`Log::sync_through`] (or any later append) covered them.
+    pub fn write_batch<P: AsRef<[u8]>>(
+        &self,
+        records: impl IntoIterator<Item = (u64, P)>,
+    ) -> Result<Range<u64>, Error> {
+        let records: Vec<(u64, P)> = records.into_iter().collect();
+        self.shared.append_records(&records, false)
+    }
+
+    /// [`append_batch`](Log::append_batch) for async callers: the records
+    /// are written at once (and readable by [`Log::read_written_from`]
+    /// readers), then the fsync runs as in [`Log::sync_through`].
+    pub async fn append_batch_async<P: AsRef<[u8]>>(
+        &self,
+        records: impl IntoIterator<Item = (u64, P)>,
+    ) -> Result<Range<u64>, Error> {
+        let written = self.write_batch(records)?;
+        self.sync_through(written.end).await?;
+        Ok(written)
+    }
+
+    /// Returns once every record below `end` is durable, fsyncing (group
+    /// commit) if no fsync covering it is in flight. On real storage the
+    /// wait runs on a blocking thread, so other tasks of the caller's
+    /// runtime (an applier working on the records just written) run
+    /// meanwhile; on the simulator's it runs inline, deterministically.
+    pub async fn sync_through(&self, end: u64) -> Result<(), Error> {
+        if self.shared.durable_next() >= end {
+            return Ok(());
+        }
+        if !self.shared.storage.sync_blocks() {
+            return self.shared.sync_through(end);
+        }
+        let shared = Arc::clone(&self.shared);
+        tokio::task::spawn_blocking(move || shared.sync_through(end))
+            .await
+            .map_err(|e| Error::Io {
+                op: "wait for the fsync of",
+                path: self.shared.dir.clone(),
+                source: std::io::Error::other(e),
+            })?
     }
 
     /// Appends one record whose `len`-byte payload is read from `source`,
@@ -434,8 +505,23 @@ impl<S: Storage> Log<S> {
     /// returns `None` when it has caught up with the durable end; calling
     /// it again later yields records appended since.
     pub fn read_from(&self, offset: u64) -> Result<Reader<S>, Error> {
+        self.reader(offset, Horizon::Durable)
+    }
+
+    /// Like [`read_from`](Log::read_from), but up to the written end: records
+    /// may not be durable yet, and may vanish in a crash together with
+    /// whatever the reader did with them that was not made durable. A
+    /// consumer acts on them durably only after [`Log::sync_through`].
+    pub fn read_written_from(&self, offset: u64) -> Result<Reader<S>, Error> {
+        self.reader(offset, Horizon::Written)
+    }
+
+    fn reader(&self, offset: u64, horizon: Horizon) -> Result<Reader<S>, Error> {
         let first = self.shared.first_offset();
-        let next = self.shared.durable_next();
+        let next = match horizon {
+            Horizon::Durable => self.shared.durable_next(),
+            Horizon::Written => self.shared.written_next(),
+        };
         if offset < first {
             return Err(Error::OffsetTruncated {
                 requested: offset,
@@ -448,7 +534,7 @@ impl<S: Storage> Log<S> {
                 next,
             });
         }
-        Ok(Reader::new(Arc::clone(&self.shared), offset))
+        Ok(Reader::new(Arc::clone(&self.shared), offset, horizon))
     }
 
     /// The last durable record, if any.
@@ -460,6 +546,18 @@ impl<S: Storage> Log<S> {
     /// (once everything in flight is durable).
     pub fn next_offset(&self) -> u64 {
         self.shared.durable_next()
+    }
+
+    /// One past the last written record, durable or not.
+    pub fn written_end(&self) -> u64 {
+        self.shared.written_next()
+    }
+
+    /// Changes whenever the written or durable end moves or the log is
+    /// poisoned; check the condition after subscribing, then await
+    /// `changed()`, and no move is missed.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<()> {
+        self.shared.moved.subscribe()
     }
 
     /// The oldest offset still in the log.

@@ -1,8 +1,9 @@
-//! Reading durable records by offset.
+//! Reading records by offset.
 //!
 //! Invariants:
-//! * A reader yields only records below the durable watermark, in offset
-//!   order, each checksum-verified; a bad frame is [`Error::Corrupt`] naming
+//! * A reader yields only records below its [`Horizon`] (the durable
+//!   watermark, or the written end for a consumer that waits for
+//!   durability before it commits), in offset order, each checksum-verified; a bad frame is [`Error::Corrupt`] naming
 //!   the segment and byte, after which the reader yields nothing more.
 //! * Seeking uses the sparse index only as a hint: the frame it points at
 //!   must carry the expected offset, else the reader falls back to scanning
@@ -25,9 +26,19 @@ pub struct Record {
     pub payload: Vec<u8>,
 }
 
-/// An iterator over durable records; see [`super::Log::read_from`].
+/// How far a reader reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Horizon {
+    /// Durable records only ([`super::Log::read_from`]).
+    Durable,
+    /// Written records, durable or not ([`super::Log::read_written_from`]).
+    Written,
+}
+
+/// An iterator over records up to a [`Horizon`].
 pub struct Reader<S: Storage> {
     shared: Arc<Shared<S>>,
+    horizon: Horizon,
     next: u64,
     at: Option<Cursor<S::File>>,
     failed: bool,
@@ -50,9 +61,10 @@ struct Cursor<F> {
 }
 
 impl<S: Storage> Reader<S> {
-    pub(crate) fn new(shared: Arc<Shared<S>>, offset: u64) -> Self {
+    pub(crate) fn new(shared: Arc<Shared<S>>, offset: u64, horizon: Horizon) -> Self {
         Reader {
             shared,
+            horizon,
             next: offset,
             at: None,
             failed: false,
@@ -179,7 +191,11 @@ impl<S: Storage> Iterator for Reader<S> {
     type Item = Result<Record, Error>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.failed || self.next >= self.shared.durable_next() {
+        let end = match self.horizon {
+            Horizon::Durable => self.shared.durable_next(),
+            Horizon::Written => self.shared.written_next(),
+        };
+        if self.failed || self.next >= end {
             return None;
         }
         let record = self.read_one();

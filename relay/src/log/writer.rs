@@ -136,6 +136,7 @@ impl<S: Storage> Shared<S> {
             w.poisoned = Some(path.clone());
         }
         self.synced.notify_all();
+        self.moved.send_replace(());
         Error::Io { op, path, source }
     }
 
@@ -146,16 +147,18 @@ impl<S: Storage> Shared<S> {
         }
     }
 
+    /// Writes the scratch buffer out; afterwards every record below
+    /// `next_offset` is in its segment file.
     fn flush_scratch(&self, w: &mut WriterState<S::File>) -> Result<(), Error> {
-        if w.scratch.is_empty() {
-            return Ok(());
+        if !w.scratch.is_empty() {
+            let active = Arc::clone(&w.active);
+            if let Err(e) = active.file.append(&w.scratch) {
+                return Err(self.poison(w, "write segment", active.path.clone(), e));
+            }
+            w.scratch.clear();
+            active.set_len(w.active_len);
         }
-        let active = Arc::clone(&w.active);
-        if let Err(e) = active.file.append(&w.scratch) {
-            return Err(self.poison(w, "write segment", active.path.clone(), e));
-        }
-        w.scratch.clear();
-        active.set_len(w.active_len);
+        self.publish_written(w.next_offset);
         Ok(())
     }
 
@@ -291,6 +294,7 @@ impl<S: Storage> Shared<S> {
             }
             self.note_frame(w, offset, commit_lsn, pos, frame_len);
             active.set_len(w.active_len);
+            self.publish_written(w.next_offset);
         } else {
             w.scratch.extend_from_slice(&header.encode());
             w.scratch.extend_from_slice(payload);
@@ -302,9 +306,11 @@ impl<S: Storage> Shared<S> {
         Ok(())
     }
 
+    /// Writes `records`; with `wait`, returns only once they are durable.
     pub(crate) fn append_records<P: AsRef<[u8]>>(
         &self,
         records: &[(u64, P)],
+        wait: bool,
     ) -> Result<Range<u64>, Error> {
         // Check every size first so a rejected batch writes nothing.
         if let Some((_, p)) = records
@@ -325,7 +331,7 @@ impl<S: Storage> Shared<S> {
         }
         self.flush_scratch(&mut w)?;
         let end = w.next_offset;
-        if end > start {
+        if wait && end > start {
             self.wait_durable(w, end)?;
         }
         Ok(start..end)
@@ -420,8 +426,22 @@ impl<S: Storage> Shared<S> {
         }
         self.note_frame(&mut w, offset, commit_lsn, pos, frame_len);
         active.set_len(w.active_len);
+        self.publish_written(w.next_offset);
         self.wait_durable(w, offset + 1)?;
         Ok(offset)
+    }
+
+    /// Waits until every record below `end` (or everything written, if
+    /// less) is durable.
+    pub(crate) fn sync_through(&self, end: u64) -> Result<(), Error> {
+        let mut w = self.lock_writer()?;
+        if w.synced_next >= end {
+            return Ok(());
+        }
+        w.check_poisoned()?;
+        self.flush_scratch(&mut w)?;
+        let target = end.min(w.next_offset);
+        self.wait_durable(w, target)
     }
 
     /// Waits until everything written so far is durable.

@@ -232,8 +232,13 @@ impl Target for SimTarget {
         self.open = None;
     }
 
-    async fn lock_checkpoint(&mut self, _flow: &str) -> Result<Option<Lsn>, Refusal> {
-        Ok(self.open()?.checkpoint.map(|c| c.commit_lsn))
+    type Lock = std::future::Ready<Result<Option<Lsn>, Refusal>>;
+
+    async fn send_lock_checkpoint(&mut self, _flow: &str) -> Result<Self::Lock, Refusal> {
+        Ok(std::future::ready(Ok(self
+            .open()?
+            .checkpoint
+            .map(|c| c.commit_lsn))))
     }
 
     async fn insert_rows(

@@ -48,6 +48,10 @@ impl FsFile {
 impl Storage for FsStorage {
     type File = FsFile;
 
+    fn sync_blocks(&self) -> bool {
+        true
+    }
+
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
         fs::create_dir_all(dir)?;
         // The new directory's own entry lives in its parent.

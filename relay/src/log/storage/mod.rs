@@ -55,6 +55,13 @@ pub trait Storage: Clone + Send + Sync + fmt::Debug + 'static {
     /// An open file; shared between the writer and readers.
     type File: StorageFile;
 
+    /// Whether [`StorageFile::sync`] waits on a device, so an async caller
+    /// should run it off its thread. The simulator's does not, and runs
+    /// inline to stay deterministic.
+    fn sync_blocks(&self) -> bool {
+        false
+    }
+
     /// Creates `dir` and its parents. Creating is durable once this returns.
     fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
     /// Opens `path` for reading and writing.
