@@ -207,7 +207,7 @@ pub struct Applier<T: Target = PgTarget> {
 #[derive(Debug, Default)]
 struct LazyCursor {
     every: Duration,
-    /// The next offset to read (set once something was applied).
+    /// The next offset to read, once something was applied.
     next: Option<u64>,
     /// The last applied record not yet persisted: (offset, commit LSN).
     unpersisted: Option<(u64, u64)>,
@@ -564,9 +564,11 @@ impl<T: Target> Applier<T> {
         hooks: &dyn CrashHooks,
     ) -> Result<ApplyStats, ApplyError> {
         let name = cursor_name(&self.flow);
-        let start = match self.cursor.next {
-            Some(next) => next,
-            None => log.start(&name)?,
+        // Ahead of the persisted cursor, the applier goes on from where it
+        // is; otherwise the cursor says (it may have been moved).
+        let start = match (self.cursor.unpersisted, self.cursor.next) {
+            (Some(_), Some(next)) => next,
+            _ => log.start(&name)?,
         };
         let mut stats = ApplyStats::default();
         let mut reader = log.read_from(start)?;
