@@ -420,6 +420,10 @@ impl<S: Storage> Records for Log<S> {
     }
 
     async fn durable(&self, offset: u64) -> Result<(), ApplyError> {
+        #[cfg(test)]
+        if mutation::COMMIT_BEFORE_DURABLE.with(std::cell::Cell::get) {
+            return Ok(());
+        }
         Ok(self.sync_through(offset + 1).await?)
     }
 
@@ -464,6 +468,8 @@ pub(crate) mod mutation {
         pub(crate) static CURSOR_BEFORE_COMMIT: Cell<bool> = const { Cell::new(false) };
         /// Apply redeliveries as if the checkpoint were absent.
         pub(crate) static IGNORE_CHECKPOINT: Cell<bool> = const { Cell::new(false) };
+        /// Commit records read early without waiting until they are durable.
+        pub(crate) static COMMIT_BEFORE_DURABLE: Cell<bool> = const { Cell::new(false) };
     }
 }
 

@@ -13,7 +13,8 @@
 //! Invariants checked after every round and at the end:
 //! - every committed target state equals the model at the checkpoint it
 //!   commits with (no half-visible transaction, none missing, none twice);
-//! - the checkpoint is never ahead of what the log holds durably;
+//! - the checkpoint is never ahead of what the log holds durably, although
+//!   the applier reads records before they are;
 //! - a refused transaction is quarantined and the flow stops at it: the
 //!   checkpoint stays before it, a retry without repair refuses it again;
 //! - at the end, after repair: the target equals the source, the checkpoint
@@ -27,7 +28,7 @@ use super::{CrashOnce, Rng, sim_envelope, sim_log_config, sim_row};
 use crate::apply::{Applier, ApplyError, cursor_name};
 use crate::crash::CrashPoint;
 use crate::kafka::{Publisher, TransportError};
-use crate::log::storage::{SimCrash, SimStorage};
+use crate::log::storage::{SimCrash, SimFault, SimOp, SimStorage};
 use crate::log::{CursorPosition, Log};
 use trellara_common::Lsn;
 use trellara_common::envelope::{self, Operation, RowChange};
@@ -62,6 +63,10 @@ pub(crate) enum ApplyFault {
     /// Kafka transport: the applier dies after the target commit, before
     /// the group offset moved.
     TopicApplierCrash,
+    /// A stage is written to the log but its fsync fails while the applier
+    /// holds its rows (it reads written records early); the relay dies,
+    /// the unsynced records are lost, and the source sends them again.
+    LogFsyncFails,
 }
 
 /// What one simulated history did.
@@ -245,6 +250,24 @@ fn log_records(txns: &[Txn], fault: ApplyFault) -> Vec<(u64, Vec<u8>)> {
     out
 }
 
+/// The commit LSN of the last transaction the log holds durably and whole.
+fn durable_commit(log: &Log<SimStorage>) -> u64 {
+    let Ok(reader) = log.read_from(log.first_offset()) else {
+        return 0;
+    };
+    reader
+        .filter_map(Result::ok)
+        .filter(|r| {
+            envelope::decode(&r.payload)
+                .ok()
+                .and_then(|e| e.boundary)
+                .is_none_or(|b| b.chunk_index + 1 >= b.chunk_count)
+        })
+        .map(|r| r.commit_lsn)
+        .last()
+        .unwrap_or(0)
+}
+
 /// Runs one history of the applier with `fault`. Err names the broken
 /// invariant and the seed that replays it.
 pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, String> {
@@ -301,6 +324,7 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
     let mut tampered: Option<String> = None;
     let mut refused: Option<(Lsn, u32)> = None;
     let mut rewound = false;
+    let mut injected = false;
     loop {
         history.rounds += 1;
         if history.rounds > 20 {
@@ -311,15 +335,33 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
         }
         let (log, _) = Log::open(storage.clone(), "/log", sim_log_config())
             .map_err(|e| format!("seed {seed}: reopen the log: {e}"))?;
+        // This round's stage is written but will never be durable.
+        let mut undurable = false;
         if stage < 3 {
             let part = &records[cuts[stage]..cuts[stage + 1]];
             if !part.is_empty() {
-                log.append_batch(part.iter().map(|(lsn, bytes)| (*lsn, bytes.as_slice())))
-                    .map_err(|e| format!("seed {seed}: append: {e}"))?;
+                let records = part.iter().map(|(lsn, bytes)| (*lsn, bytes.as_slice()));
+                if fault == ApplyFault::LogFsyncFails && !injected && stage + 1 >= nth as usize {
+                    injected = true;
+                    log.write_batch(records)
+                        .map_err(|e| format!("seed {seed}: write: {e}"))?;
+                    // The next segment fsync is the one covering the stage.
+                    storage.inject(SimFault::once(SimOp::Sync).on_path(".seg"));
+                    undurable = true;
+                } else {
+                    log.append_batch(records)
+                        .map_err(|e| format!("seed {seed}: append: {e}"))?;
+                }
             }
             stage += 1;
         }
-        let durable = records[..cuts[stage]].last().map_or(0, |(lsn, _)| *lsn);
+        // What the log holds durably (a write that rolled a segment made
+        // what came before the roll durable).
+        let durable = if undurable {
+            durable_commit(&log)
+        } else {
+            records[..cuts[stage]].last().map_or(0, |(lsn, _)| *lsn)
+        };
         if via_topic {
             // Store and forward: the publisher moves what is durable to the
             // topic, then the applier reads the topic.
@@ -359,6 +401,23 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
                 ));
             }
         }
+        if undurable {
+            // The poisoned log ends the run (or the stage held nothing to
+            // commit yet); the relay dies, and the stage it never made
+            // durable comes again from the source.
+            match result {
+                Ok(stats) => history.duplicates += stats.duplicates_skipped,
+                // The fsync failed under the applier: the fault fired.
+                Err(ApplyError::Log(_)) => history.faults += 1,
+                Err(e) => return Err(format!("seed {seed}: the applier failed: {e}")),
+            }
+            storage.clear_faults();
+            target.crash();
+            drop(log);
+            storage.crash(SimCrash::LoseUnsynced);
+            stage -= 1;
+            continue;
+        }
         match result {
             Ok(stats) => {
                 history.duplicates += stats.duplicates_skipped;
@@ -390,6 +449,7 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
                 drop(log);
                 storage.crash(SimCrash::LoseUnsynced);
             }
+
             Err(ApplyError::Target(_)) => {}
             Err(ApplyError::Quarantined {
                 commit_lsn, reason, ..
@@ -684,6 +744,14 @@ mod tests {
             .count();
         crate::kafka::mutation::CURSOR_MID_RUN.with(|m| m.set(false));
         assert!(failed >= 5, "only {failed} of 120 histories noticed");
+    }
+
+    /// The mutation check: an applier that commits before the records it
+    /// read early are durable leaves the target ahead of the log when the
+    /// fsync fails.
+    #[test]
+    fn committing_before_the_log_is_durable_is_caught() {
+        caught(&mutation::COMMIT_BEFORE_DURABLE, ApplyFault::LogFsyncFails);
     }
 
     /// A replayed history is the same history.

@@ -311,7 +311,7 @@ macro_rules! target {
 }
 
 /// The matrix as built so far.
-pub const SCENARIOS: [Scenario; 45] = [
+pub const SCENARIOS: [Scenario; 46] = [
     relay_crash!(
         "SS-01",
         ReceivedNotAppended,
@@ -509,6 +509,13 @@ pub const SCENARIOS: [Scenario; 45] = [
         TARGET_RECOVERY,
         "Kafka transport: applier crash after the target commit, before the group offset moved",
         "none applied twice: the redelivery is skipped and counted"
+    ),
+    target!(
+        "TA-12",
+        ApplyFault::LogFsyncFails,
+        TARGET_RECOVERY,
+        "the log's fsync fails while the applier has a batch's rows on the target (it reads written records early)",
+        "nothing commits before the log holds it durably: the target shows none of it, the re-sent transactions apply once"
     ),
     target!(
         "TA-10",
