@@ -754,6 +754,79 @@ mod tests {
         caught(&mutation::COMMIT_BEFORE_DURABLE, ApplyFault::LogFsyncFails);
     }
 
+    /// An applier that persists its cursor lazily leaves it behind the
+    /// target; a crash then costs only redeliveries, which the checkpoint
+    /// skips and counts. `persist_cursor` catches it up.
+    #[test]
+    fn a_lazy_cursor_costs_only_counted_redeliveries() {
+        let txns = workload(&mut Rng(3), ApplyFault::Rewind);
+        let records = log_records(&txns, ApplyFault::Rewind);
+        let first = txns[0].records.len();
+        let storage = SimStorage::new(3);
+        let (log, _) = Log::open(storage, "/log", sim_log_config()).expect("open");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let mut db = Db::default();
+        db.tables.insert(TABLE.into(), Table::new());
+        let lazy = |target| {
+            Applier::with_target(target, "sim", "sim", "trellara.yml")
+                .with_cursor_every(std::time::Duration::from_secs(3600))
+        };
+        let append = |part: &[(u64, Vec<u8>)]| {
+            log.append_batch(part.iter().map(|(lsn, bytes)| (*lsn, bytes.as_slice())))
+                .expect("append");
+        };
+        let cursor = |log: &Log<SimStorage>| log.cursor(&cursor_name("sim")).map(|c| c.next_offset);
+
+        let last = records.len() - txns[txns.len() - 1].records.len();
+        let mut applier = lazy(SimTarget::new(db));
+        append(&records[..first]);
+        runtime
+            .block_on(applier.apply_log_with(&log, &CrashOnce::never()))
+            .expect("apply");
+        // The first commit of a session persists at once; the rest waits.
+        assert_eq!(cursor(&log), Some(first as u64));
+        append(&records[first..last]);
+        let stats = runtime
+            .block_on(applier.apply_log_with(&log, &CrashOnce::never()))
+            .expect("apply");
+        let middle = txns.len() - 2;
+        assert_eq!(stats.transactions as usize, middle);
+        assert_eq!(cursor(&log), Some(first as u64), "not due yet");
+
+        // The process dies here: a new applier starts at the cursor.
+        let mut again = lazy(applier.into_target());
+        let stats = runtime
+            .block_on(again.apply_log_with(&log, &CrashOnce::never()))
+            .expect("apply");
+        assert_eq!(
+            (stats.transactions, stats.duplicates_skipped as usize),
+            (0, middle)
+        );
+        append(&records[last..]);
+        let stats = runtime
+            .block_on(again.apply_log_with(&log, &CrashOnce::never()))
+            .expect("apply");
+        assert_eq!(stats.transactions, 1);
+        assert!(
+            cursor(&log) < Some(log.next_offset()),
+            "only the session's first commit persisted the cursor"
+        );
+        again.persist_cursor(&log).expect("persist");
+        assert_eq!(cursor(&log), Some(log.next_offset()));
+        let target = again.into_target();
+        check_state(3, &txns, &target.committed, None, "at the end").expect("state");
+        let checkpoint = target.committed.checkpoint.expect("checkpoint");
+        assert_eq!(
+            (
+                checkpoint.transactions as usize,
+                checkpoint.duplicates as usize
+            ),
+            (txns.len(), middle)
+        );
+    }
+
     /// A replayed history is the same history.
     #[test]
     fn a_seed_replays_exactly() {
