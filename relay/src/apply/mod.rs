@@ -8,8 +8,12 @@
 //! * **Exactly-once effect.** Rows and the checkpoint `(flow, commit LSN,
 //!   xid)` commit together; a transaction at or below the checkpoint is
 //!   skipped and counted as a duplicate. The log cursor moves only after the
-//!   target commit, so a crash in between costs a redelivery, which the
-//!   checkpoint absorbs.
+//!   target commit (and may be persisted later still), so a crash in
+//!   between costs a redelivery, which the checkpoint absorbs.
+//! * **Never ahead of the log.** Records are read as soon as they are
+//!   written, so rows reach the target while the log's fsync runs; the
+//!   target transaction commits only once [`Records::durable`] says the
+//!   log holds them.
 //! * **Never split.** All chunks of a chunked transaction apply in one
 //!   target transaction.
 //! * **Fail closed.** A transaction that cannot be applied as captured (a

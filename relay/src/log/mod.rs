@@ -12,6 +12,7 @@
 //!           = durable   └────────────┬─────────────┘   └──────────────────────────────┘
 //!                                    │ durable watermark
 //!  consumers: read_from(offset) ◀────┘   commit_cursor(name, pos) ─▶ temp, fsync, rename, fsync dir
+//!  early:     read_written_from(offset) ◀── written end; act durably only after sync_through(end)
 //! ```
 //!
 //! Invariants (each has a test in `relay/tests/log_*.rs`):
