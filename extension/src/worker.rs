@@ -698,8 +698,9 @@ impl Session {
         }
     }
 
-    /// Waits for the socket (readable; writable when a frame is pending) or
-    /// the timeout, whichever is first.
+    /// Waits for the socket (readable; writable when a frame is pending),
+    /// new WAL flushed (PostgreSQL 16 and later), or the timeout, whichever
+    /// is first.
     fn wait(&self, timeout: Duration) {
         let mut events = pg_sys::WL_LATCH_SET
             | pg_sys::WL_SOCKET_READABLE
@@ -707,6 +708,22 @@ impl Session {
             | pg_sys::WL_EXIT_ON_PM_DEATH;
         if self.has_inflight() {
             events |= pg_sys::WL_SOCKET_WRITEABLE;
+        }
+        // A logical walsender is woken when WAL is flushed: it is on the
+        // wait list of WalSndCtl->wal_replay_cv, which every flush on a
+        // primary broadcasts, setting the latch of each process on it. The
+        // worker gets on the same list for the wait, so a commit reaches it
+        // at once instead of at the next timeout. (15 has no such list and
+        // wakes only walsenders: there the timeout is the poll.)
+        // SAFETY: WalSndCtl is shared memory set up at startup; the worker
+        // has a PGPROC; the sleep is cancelled right after the wait.
+        #[cfg(not(feature = "pg15"))]
+        unsafe {
+            if !pg_sys::WalSndCtl.is_null() {
+                pg_sys::ConditionVariablePrepareToSleep(
+                    &raw mut (*pg_sys::WalSndCtl).wal_replay_cv,
+                );
+            }
         }
         // SAFETY: our latch and an open socket we own.
         unsafe {
@@ -718,6 +735,11 @@ impl Session {
                 pg_sys::PG_WAIT_EXTENSION,
             );
             pg_sys::ResetLatch(pg_sys::MyLatch);
+        }
+        #[cfg(not(feature = "pg15"))]
+        // SAFETY: leaves the wait list joined above (a no-op if not on it).
+        unsafe {
+            pg_sys::ConditionVariableCancelSleep();
         }
     }
 }
