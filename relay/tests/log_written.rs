@@ -121,3 +121,23 @@ fn on_real_storage_sync_through_makes_written_records_durable() {
     let (log, _) = open(&FsStorage::new(), dir.path(), &small_config(1 << 20));
     assert_eq!(contents(&log).len(), 64);
 }
+
+#[test]
+fn concurrent_waiters_share_one_fsync() {
+    let dir = tempfile::tempdir().unwrap();
+    let (log, _) = open(&FsStorage::new(), dir.path(), &small_config(1 << 20));
+    let range = log
+        .write_batch((0..8).map(|i| (i + 1, payload(i, 100))))
+        .unwrap();
+    let before = log.stats().fsyncs;
+    let (a, b) = runtime()
+        .block_on(async { tokio::join!(log.sync_through(range.end), log.sync_through(range.end)) });
+    a.unwrap();
+    b.unwrap();
+    assert_eq!(
+        log.stats().fsyncs - before,
+        1,
+        "the second waiter followed the first"
+    );
+    assert_eq!(log.next_offset(), 8);
+}

@@ -436,15 +436,27 @@ impl<S: Storage> Log<S> {
 
     /// Returns once every record below `end` is durable, fsyncing (group
     /// commit) if no fsync covering it is in flight. On real storage the
-    /// wait runs on a blocking thread, so other tasks of the caller's
+    /// fsync runs on a blocking thread, so other tasks of the caller's
     /// runtime (an applier working on the records just written) run
-    /// meanwhile; on the simulator's it runs inline, deterministically.
+    /// meanwhile, and a caller that finds one in flight awaits its outcome
+    /// instead of parking a thread on it; on the simulator's storage it
+    /// runs inline, deterministically.
     pub async fn sync_through(&self, end: u64) -> Result<(), Error> {
-        if self.shared.durable_next() >= end {
-            return Ok(());
-        }
-        if !self.shared.storage.sync_blocks() {
-            return self.shared.sync_through(end);
+        // Subscribed before looking, so no move between the two is missed.
+        let mut moved = self.subscribe();
+        loop {
+            if self.shared.durable_next() >= end {
+                return Ok(());
+            }
+            if !self.shared.storage.sync_blocks() {
+                return self.shared.sync_through(end);
+            }
+            if !self.shared.sync_in_flight()? {
+                break;
+            }
+            if moved.changed().await.is_err() {
+                break;
+            }
         }
         let shared = Arc::clone(&self.shared);
         tokio::task::spawn_blocking(move || shared.sync_through(end))

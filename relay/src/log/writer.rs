@@ -444,6 +444,13 @@ impl<S: Storage> Shared<S> {
         self.wait_durable(w, target)
     }
 
+    /// Whether an fsync is in flight; an error once the log is poisoned.
+    pub(crate) fn sync_in_flight(&self) -> Result<bool, Error> {
+        let w = self.lock_writer()?;
+        w.check_poisoned()?;
+        Ok(w.sync_in_progress)
+    }
+
     /// Waits until everything written so far is durable.
     pub(crate) fn sync_all(&self) -> Result<(), Error> {
         let mut w = self.lock_writer()?;
