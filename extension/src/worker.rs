@@ -709,22 +709,7 @@ impl Session {
         if self.has_inflight() {
             events |= pg_sys::WL_SOCKET_WRITEABLE;
         }
-        // A logical walsender is woken when WAL is flushed: it is on the
-        // wait list of WalSndCtl->wal_replay_cv, which every flush on a
-        // primary broadcasts, setting the latch of each process on it. The
-        // worker gets on the same list for the wait, so a commit reaches it
-        // at once instead of at the next timeout. (15 has no such list and
-        // wakes only walsenders: there the timeout is the poll.)
-        // SAFETY: WalSndCtl is shared memory set up at startup; the worker
-        // has a PGPROC; the sleep is cancelled right after the wait.
-        #[cfg(not(feature = "pg15"))]
-        unsafe {
-            if !pg_sys::WalSndCtl.is_null() {
-                pg_sys::ConditionVariablePrepareToSleep(
-                    &raw mut (*pg_sys::WalSndCtl).wal_replay_cv,
-                );
-            }
-        }
+        wal_flush_wakes_us();
         // SAFETY: our latch and an open socket we own.
         unsafe {
             pg_sys::WaitLatchOrSocket(
@@ -736,11 +721,7 @@ impl Session {
             );
             pg_sys::ResetLatch(pg_sys::MyLatch);
         }
-        #[cfg(not(feature = "pg15"))]
-        // SAFETY: leaves the wait list joined above (a no-op if not on it).
-        unsafe {
-            pg_sys::ConditionVariableCancelSleep();
-        }
+        wal_flush_wakes_us_no_more();
     }
 }
 
@@ -972,6 +953,33 @@ fn lsn_text(lsn: u64) -> String {
     format!("{:X}/{:X}", lsn >> 32, lsn & 0xffff_ffff)
 }
 
+/// Puts the worker on the wait list a logical walsender sleeps on:
+/// `WalSndCtl->wal_replay_cv`, which every WAL flush on a primary
+/// broadcasts, setting the latch of each process on it. So a commit wakes
+/// the worker at once instead of at its next timeout. A flush after this
+/// call and before the wait sets the latch, which the wait then sees: no
+/// wakeup is lost. PostgreSQL 15 has no such list (it wakes walsenders
+/// only); there the wait's timeout is the poll.
+fn wal_flush_wakes_us() {
+    // SAFETY: WalSndCtl is shared memory set up at startup and the worker
+    // has a PGPROC; joining twice leaves it on the list once.
+    #[cfg(not(feature = "pg15"))]
+    unsafe {
+        if !pg_sys::WalSndCtl.is_null() {
+            pg_sys::ConditionVariablePrepareToSleep(&raw mut (*pg_sys::WalSndCtl).wal_replay_cv);
+        }
+    }
+}
+
+/// Leaves the wait list of [`wal_flush_wakes_us`] (a no-op if not on it).
+fn wal_flush_wakes_us_no_more() {
+    // SAFETY: only this process's own wait-list entry is touched.
+    #[cfg(not(feature = "pg15"))]
+    unsafe {
+        pg_sys::ConditionVariableCancelSleep();
+    }
+}
+
 /// How long to sleep at the end of WAL: short right after activity (low
 /// commit-to-durable latency), longer when idle (low CPU).
 fn idle_timeout(since_activity: Duration) -> Duration {
@@ -994,6 +1002,9 @@ unsafe extern "C-unwind" fn page_read(
     buf: *mut c_char,
 ) -> c_int {
     loop {
+        // On the list before looking, so a flush right after the look is
+        // not missed.
+        wal_flush_wakes_us();
         let mut nowait = pg_sys::ReadLocalXLogPageNoWaitPrivate { end_of_wal: false };
         // SAFETY: the no-wait reader uses private_data only to report
         // end_of_wal; the decoding context's pointer is put back before
@@ -1007,6 +1018,7 @@ unsafe extern "C-unwind" fn page_read(
             read
         };
         if read >= 0 || !nowait.end_of_wal {
+            wal_flush_wakes_us_no_more();
             return read;
         }
         with_session(|s| {
