@@ -487,6 +487,10 @@ impl<S: Storage> Shared<S> {
                     Counters::add(&self.counters.fsyncs, 1);
                     self.mark_synced(&mut w, upto, last);
                     self.synced.notify_all();
+                    // Async waiters watch for the fsync's end too, not only
+                    // for a moved watermark: a segment roll during it may
+                    // already have covered `upto`, and then nothing moved.
+                    self.moved.send_replace(());
                 }
                 Err(e) => return Err(self.poison(&mut w, "fsync segment", active.path.clone(), e)),
             }
