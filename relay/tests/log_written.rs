@@ -141,3 +141,153 @@ fn concurrent_waiters_share_one_fsync() {
     );
     assert_eq!(log.next_offset(), 8);
 }
+
+/// Real storage whose first armed segment fsync waits until released, so a
+/// test can hold an fsync in flight.
+#[derive(Clone, Debug, Default)]
+struct Gated {
+    fs: FsStorage,
+    gate: std::sync::Arc<Gate>,
+}
+
+#[derive(Debug, Default)]
+struct Gate {
+    /// Armed: the next segment fsync holds until released.
+    state: std::sync::Mutex<(bool, bool)>,
+    changed: std::sync::Condvar,
+}
+
+impl Gate {
+    fn arm(&self) {
+        *self.state.lock().unwrap() = (true, false);
+    }
+    fn release(&self) {
+        self.state.lock().unwrap().1 = true;
+        self.changed.notify_all();
+    }
+    fn pass(&self) {
+        let mut state = self.state.lock().unwrap();
+        if !state.0 {
+            return;
+        }
+        state.0 = false;
+        self.changed.notify_all();
+        while !state.1 {
+            state = self.changed.wait(state).unwrap();
+        }
+    }
+    /// Whether the armed fsync has started (and now holds).
+    fn holding(&self) -> bool {
+        let state = self.state.lock().unwrap();
+        !state.0 && !state.1
+    }
+}
+
+#[derive(Debug)]
+struct GatedFile {
+    file: trellara_relay::log::storage::FsFile,
+    segment: bool,
+    gate: std::sync::Arc<Gate>,
+}
+
+impl trellara_relay::log::storage::Storage for Gated {
+    type File = GatedFile;
+    fn sync_blocks(&self) -> bool {
+        true
+    }
+    fn create_dir_all(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        self.fs.create_dir_all(dir)
+    }
+    fn open(
+        &self,
+        path: &std::path::Path,
+        mode: trellara_relay::log::storage::OpenMode,
+    ) -> std::io::Result<GatedFile> {
+        Ok(GatedFile {
+            file: self.fs.open(path, mode)?,
+            segment: path.extension().is_some_and(|e| e == "seg"),
+            gate: std::sync::Arc::clone(&self.gate),
+        })
+    }
+    fn list(&self, dir: &std::path::Path) -> std::io::Result<Vec<String>> {
+        self.fs.list(dir)
+    }
+    fn remove(&self, path: &std::path::Path) -> std::io::Result<()> {
+        self.fs.remove(path)
+    }
+    fn rename(&self, from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+        self.fs.rename(from, to)
+    }
+    fn sync_dir(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        self.fs.sync_dir(dir)
+    }
+}
+
+impl trellara_relay::log::storage::StorageFile for GatedFile {
+    fn append(&self, buf: &[u8]) -> std::io::Result<()> {
+        self.file.append(buf)
+    }
+    fn write_at(&self, buf: &[u8], pos: u64) -> std::io::Result<()> {
+        self.file.write_at(buf, pos)
+    }
+    fn read_at(&self, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
+        self.file.read_at(buf, pos)
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.file.len()
+    }
+    fn truncate(&self, len: u64) -> std::io::Result<()> {
+        self.file.truncate(len)
+    }
+    fn sync(&self, mode: trellara_relay::log::storage::SyncMode) -> std::io::Result<()> {
+        if self.segment {
+            self.gate.pass();
+        }
+        self.file.sync(mode)
+    }
+}
+
+/// An fsync in flight, a segment roll that covers what it covers, then an
+/// async waiter for what came after the roll: the waiter must hear that
+/// the fsync ended (nothing else moves), lead the next one and return.
+#[test]
+fn an_async_waiter_hears_the_end_of_an_fsync_a_roll_already_covered() {
+    let dir = tempfile::tempdir().unwrap();
+    let storage = Gated::default();
+    let gate = std::sync::Arc::clone(&storage.gate);
+    let (log, _) = open(&storage, dir.path(), &small_config(4096));
+    log.write_batch((0..4).map(|i| (i + 1, payload(i, 500))))
+        .unwrap();
+    gate.arm();
+    let leader = {
+        let log = log.clone();
+        std::thread::spawn(move || log.sync())
+    };
+    while !gate.holding() {
+        std::thread::yield_now();
+    }
+    // The roll fsyncs the old segment past the held fsync's end, then the
+    // rest goes to a new segment.
+    let range = log
+        .write_batch((4..16).map(|i| (i + 1, payload(i, 500))))
+        .unwrap();
+    assert!(log.next_offset() > 4 && log.next_offset() < range.end);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let waited = rt.block_on(async {
+        let release = async {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            gate.release();
+        };
+        let wait = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            log.sync_through(range.end),
+        );
+        tokio::join!(wait, release).0
+    });
+    waited.expect("the waiter was never woken").unwrap();
+    leader.join().unwrap().unwrap();
+    assert_eq!(log.next_offset(), range.end);
+}
