@@ -421,6 +421,10 @@ pub async fn run_watched<W: Watch>(
             None => log.written_end(),
             Some(_) => log.next_offset(),
         };
+        let persist = |applier: &mut Applier| match &kafka {
+            None => applier.persist_cursor(&log),
+            Some((_, feed)) => applier.persist_cursor(feed),
+        };
         loop {
             let seen = horizon();
             let finished = *done_rx.borrow();
@@ -431,12 +435,9 @@ pub async fn run_watched<W: Watch>(
                     Err(e) => Err(e.into()),
                 },
             };
-            // Idle (or done): what the cursor has not persisted yet goes now.
+            // Idle: what the cursor has not persisted yet goes now.
             let persisted = match &round {
-                Ok(stats) if stats.transactions == 0 || finished => match &kafka {
-                    None => applier.persist_cursor(&log),
-                    Some((_, feed)) => applier.persist_cursor(feed),
-                },
+                Ok(stats) if stats.transactions == 0 => persist(&mut applier),
                 _ => Ok(()),
             };
             match round.and_then(|stats| persisted.map(|()| stats)) {
@@ -472,11 +473,7 @@ pub async fn run_watched<W: Watch>(
                 enforce_retention(&log);
             }
             if finished {
-                let persisted = match &kafka {
-                    None => applier.persist_cursor(&log),
-                    Some((_, feed)) => applier.persist_cursor(feed),
-                };
-                if let Err(e) = persisted {
+                if let Err(e) = persist(&mut applier) {
                     let _ = failed_tx.send(true);
                     return Err(e);
                 }

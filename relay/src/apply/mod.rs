@@ -211,8 +211,6 @@ pub struct Applier<T: Target = PgTarget> {
 #[derive(Debug, Default)]
 struct LazyCursor {
     every: Duration,
-    /// The next offset to read, once something was applied.
-    next: Option<u64>,
     /// The last applied record not yet persisted: (offset, commit LSN).
     unpersisted: Option<(u64, u64)>,
     persisted_at: Option<std::time::Instant>,
@@ -537,22 +535,17 @@ impl<T: Target> Applier<T> {
     fn moved_past<R: Records>(
         &mut self,
         log: &R,
-        cursor: &str,
         offset: u64,
         commit_lsn: u64,
     ) -> Result<(), ApplyError> {
-        self.cursor.next = Some(offset + 1);
+        self.cursor.unpersisted = Some((offset, commit_lsn));
         let due = self.cursor.every.is_zero()
             || self
                 .cursor
                 .persisted_at
                 .is_none_or(|at| at.elapsed() >= self.cursor.every);
         if due {
-            log.applied(cursor, offset, commit_lsn)?;
-            self.cursor.unpersisted = None;
-            self.cursor.persisted_at = Some(std::time::Instant::now());
-        } else {
-            self.cursor.unpersisted = Some((offset, commit_lsn));
+            self.persist_cursor(log)?;
         }
         Ok(())
     }
@@ -576,9 +569,9 @@ impl<T: Target> Applier<T> {
         let name = cursor_name(&self.flow);
         // Ahead of the persisted cursor, the applier goes on from where it
         // is; otherwise the cursor says (it may have been moved).
-        let start = match (self.cursor.unpersisted, self.cursor.next) {
-            (Some(_), Some(next)) => next,
-            _ => log.start(&name)?,
+        let start = match self.cursor.unpersisted {
+            Some((offset, _)) => offset + 1,
+            None => log.start(&name)?,
         };
         let mut stats = ApplyStats::default();
         let mut reader = log.read_from(start)?;
@@ -612,8 +605,7 @@ impl<T: Target> Applier<T> {
                 }
             }
             if !batch.is_empty() {
-                self.apply_batch(log, &name, &batch, &mut stats, hooks)
-                    .await?;
+                self.apply_batch(log, &batch, &mut stats, hooks).await?;
             }
             if let Some((first, record)) = chunked {
                 let chunked = ChunkedRun {
@@ -621,7 +613,7 @@ impl<T: Target> Applier<T> {
                     first_bytes: record.payload,
                 };
                 match self
-                    .apply_chunked(log, &name, &mut reader, chunked, &mut stats, hooks)
+                    .apply_chunked(log, &mut reader, chunked, &mut stats, hooks)
                     .await?
                 {
                     Chunked::Applied => {}
@@ -648,7 +640,6 @@ impl<T: Target> Applier<T> {
     async fn apply_batch<R: Records>(
         &mut self,
         log: &R,
-        cursor: &str,
         batch: &[SourceTxn],
         stats: &mut ApplyStats,
         hooks: &dyn CrashHooks,
@@ -659,7 +650,7 @@ impl<T: Target> Applier<T> {
         if mutation::CURSOR_BEFORE_COMMIT.with(std::cell::Cell::get)
             && let Some(last) = batch.last()
         {
-            log.applied(cursor, last.last_offset, last.commit_lsn)?;
+            log.applied(&cursor_name(&self.flow), last.last_offset, last.commit_lsn)?;
         }
         match self
             .apply_transactions(log, batch, &mut tentative, hooks)
@@ -671,7 +662,7 @@ impl<T: Target> Applier<T> {
                     return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
                 }
                 if let Some(last) = batch.last() {
-                    self.moved_past(log, cursor, last.last_offset, last.commit_lsn)?;
+                    self.moved_past(log, last.last_offset, last.commit_lsn)?;
                 }
                 return Ok(());
             }
@@ -693,8 +684,7 @@ impl<T: Target> Applier<T> {
             Err(Refusal::Data(_)) => {}
         }
         for txn in batch {
-            Box::pin(self.apply_batch(log, cursor, std::slice::from_ref(txn), stats, hooks))
-                .await?;
+            Box::pin(self.apply_batch(log, std::slice::from_ref(txn), stats, hooks)).await?;
         }
         Ok(())
     }
@@ -884,7 +874,6 @@ impl<T: Target> Applier<T> {
     async fn apply_chunked<R: Records>(
         &mut self,
         log: &R,
-        cursor: &str,
         reader: &mut R::Reader<'_>,
         run: ChunkedRun,
         stats: &mut ApplyStats,
@@ -933,7 +922,7 @@ impl<T: Target> Applier<T> {
                     #[cfg(test)]
                     if mutation::CURSOR_BEFORE_COMMIT.with(std::cell::Cell::get) {
                         let last = reader.next_offset().saturating_sub(1);
-                        log.applied(cursor, last, commit)
+                        log.applied(&cursor_name(&self.flow), last, commit)
                             .map_err(|e| Refusal::Data(e.to_string()))?;
                     }
                     crash(hooks, CrashPoint::AppliedNotCommitted)?;
@@ -986,7 +975,7 @@ impl<T: Target> Applier<T> {
                         if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
                             return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
                         }
-                        self.moved_past(log, cursor, last, commit)?;
+                        self.moved_past(log, last, commit)?;
                         return Ok(Chunked::Applied);
                     }
                     Err(refusal) => refusal,

@@ -73,11 +73,12 @@ pub use frame::{
     SEGMENT_MAGIC,
 };
 pub use index::{INDEX_ENTRY_LEN, INDEX_HEADER_LEN, INDEX_MAGIC};
-pub use reader::{Horizon, Reader, Record};
+pub use reader::{Reader, Record};
 pub use retention::{ConsumerPressure, DeletedSegment, RetentionPolicy, RetentionReport};
 pub use spill::SpillBuffer;
 
 use cursor::CursorStore;
+use reader::Horizon;
 use segment::Segment;
 use storage::{FsStorage, Storage};
 use writer::WriterState;
@@ -268,6 +269,14 @@ impl<S: Storage> Shared<S> {
 
     fn written_next(&self) -> u64 {
         self.written_next.load(Ordering::Acquire)
+    }
+
+    /// One past the last record a reader up to `horizon` may yield.
+    fn end(&self, horizon: Horizon) -> u64 {
+        match horizon {
+            Horizon::Durable => self.durable_next(),
+            Horizon::Written => self.written_next(),
+        }
     }
 
     /// Publishes a new durable watermark (called under the writer mutex, so
@@ -531,10 +540,7 @@ impl<S: Storage> Log<S> {
 
     fn reader(&self, offset: u64, horizon: Horizon) -> Result<Reader<S>, Error> {
         let first = self.shared.first_offset();
-        let next = match horizon {
-            Horizon::Durable => self.shared.durable_next(),
-            Horizon::Written => self.shared.written_next(),
-        };
+        let next = self.shared.end(horizon);
         if offset < first {
             return Err(Error::OffsetTruncated {
                 requested: offset,

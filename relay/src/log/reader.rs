@@ -3,8 +3,9 @@
 //! Invariants:
 //! * A reader yields only records below its [`Horizon`] (the durable
 //!   watermark, or the written end for a consumer that waits for
-//!   durability before it commits), in offset order, each checksum-verified; a bad frame is [`Error::Corrupt`] naming
-//!   the segment and byte, after which the reader yields nothing more.
+//!   durability before it commits), in offset order, each
+//!   checksum-verified; a bad frame is [`Error::Corrupt`] naming the
+//!   segment and byte, after which the reader yields nothing more.
 //! * Seeking uses the sparse index only as a hint: the frame it points at
 //!   must carry the expected offset, else the reader falls back to scanning
 //!   the segment from its header.
@@ -28,7 +29,7 @@ pub struct Record {
 
 /// How far a reader reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Horizon {
+pub(crate) enum Horizon {
     /// Durable records only ([`super::Log::read_from`]).
     Durable,
     /// Written records, durable or not ([`super::Log::read_written_from`]).
@@ -191,11 +192,7 @@ impl<S: Storage> Iterator for Reader<S> {
     type Item = Result<Record, Error>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let end = match self.horizon {
-            Horizon::Durable => self.shared.durable_next(),
-            Horizon::Written => self.shared.written_next(),
-        };
-        if self.failed || self.next >= end {
+        if self.failed || self.next >= self.shared.end(self.horizon) {
             return None;
         }
         let record = self.read_one();

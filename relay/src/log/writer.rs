@@ -453,11 +453,7 @@ impl<S: Storage> Shared<S> {
 
     /// Waits until everything written so far is durable.
     pub(crate) fn sync_all(&self) -> Result<(), Error> {
-        let mut w = self.lock_writer()?;
-        w.check_poisoned()?;
-        self.flush_scratch(&mut w)?;
-        let target = w.next_offset;
-        self.wait_durable(w, target)
+        self.sync_through(u64::MAX)
     }
 
     /// Group commit: returns once `synced_next >= target`, fsyncing as the
