@@ -75,6 +75,9 @@ pub struct CaptureConfig {
     pub floor: Lsn,
     /// Receives the acknowledged (durable) source position as it moves.
     pub progress: Option<std::sync::Arc<tokio::sync::watch::Sender<Lsn>>>,
+    /// Told as each source transaction begins, before the rest of it is
+    /// received: the applier opens its target transaction meanwhile.
+    pub begun: Option<std::sync::Arc<tokio::sync::Notify>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -704,6 +707,12 @@ async fn handle_event<S: Storage>(
                 in_stream_block: **in_stream_block,
             };
             let message = pgoutput::decode(&data, ctx)?;
+            if let (Message::Begin(_), Some(begun)) = (&message, &config.begun) {
+                begun.notify_one();
+                // Even when the rest is already here: the applier's BEGIN
+                // goes out first, and the target wakes while this decodes.
+                tokio::task::yield_now().await;
+            }
             match message {
                 Message::StreamStart(_) => **in_stream_block = true,
                 Message::StreamStop => **in_stream_block = false,

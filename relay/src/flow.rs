@@ -319,6 +319,7 @@ pub async fn run_watched<W: Watch>(
         .unwrap_or(Lsn::ZERO);
     let (tx, mut rx) = tokio::sync::watch::channel(Lsn::ZERO);
     let tx = Arc::new(tx);
+    let begun = Arc::new(tokio::sync::Notify::new());
     let config = CaptureConfig {
         source: source_url.parse().map_err(|e| {
             crate::config::ConfigIssue::new(
@@ -341,6 +342,7 @@ pub async fn run_watched<W: Watch>(
         pinned: snapshot_pins(&target, &flow.name).await?,
         floor,
         progress: Some(tx.clone()),
+        begun: Some(Arc::clone(&begun)),
     };
     if follow {
         progress(&format!(
@@ -411,80 +413,98 @@ pub async fn run_watched<W: Watch>(
         .with_cursor_every(CURSOR_EVERY);
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
-        let mut total = ApplyStats::default();
-        let mut last_retention = std::time::Instant::now();
-        // The applier wakes as soon as capture wrote something (it commits
-        // only once that is durable); the Kafka publisher forwards only
-        // what is durable.
-        let mut moved = log.subscribe();
-        let horizon = || match kafka {
-            None => log.written_end(),
-            Some(_) => log.next_offset(),
-        };
-        let persist = |applier: &mut Applier| match &kafka {
-            None => applier.persist_cursor(&log),
-            Some((_, feed)) => applier.persist_cursor(feed),
-        };
-        loop {
-            let seen = horizon();
-            let finished = *done_rx.borrow();
-            let round = match &kafka {
-                None => applier.apply_log(&log).await,
-                Some((publisher, feed)) => match publisher.publish(&log).await {
-                    Ok(_) => applier.apply_log_with(feed, &crate::crash::NoCrash).await,
-                    Err(e) => Err(e.into()),
-                },
+        let result = async {
+            let mut total = ApplyStats::default();
+            let mut last_retention = std::time::Instant::now();
+            // The applier wakes as soon as capture wrote something (it commits
+            // only once that is durable); the Kafka publisher forwards only
+            // what is durable.
+            let mut moved = log.subscribe();
+            let horizon = || match kafka {
+                None => log.written_end(),
+                Some(_) => log.next_offset(),
             };
-            // Idle: what the cursor has not persisted yet goes now.
-            let persisted = match &round {
-                Ok(stats) if stats.transactions == 0 => persist(&mut applier),
-                _ => Ok(()),
+            let persist = |applier: &mut Applier| match &kafka {
+                None => applier.persist_cursor(&log),
+                Some((_, feed)) => applier.persist_cursor(feed),
             };
-            match round.and_then(|stats| persisted.map(|()| stats)) {
-                Ok(stats) => crate::apply::accumulate(&mut total, stats),
-                Err(e) => {
-                    let _ = failed_tx.send(true);
-                    return Err(e);
-                }
-            }
-            if finished && let Some((_, feed)) = &kafka {
-                // Caught up means applied through everything published: a
-                // topic read can end on a quiet broker before it did.
-                let deadline = std::time::Instant::now() + Duration::from_secs(60);
-                while !applied_all_published(&applier, &log, &flow.name).await? {
-                    if std::time::Instant::now() > deadline {
+            loop {
+                let seen = horizon();
+                let finished = *done_rx.borrow();
+                let round = match &kafka {
+                    None => applier.apply_log(&log).await,
+                    Some((publisher, feed)) => match publisher.publish(&log).await {
+                        Ok(_) => applier.apply_log_with(feed, &crate::crash::NoCrash).await,
+                        Err(e) => Err(e.into()),
+                    },
+                };
+                // Idle: what the cursor has not persisted yet goes now.
+                let persisted = match &round {
+                    Ok(stats) if stats.transactions == 0 => persist(&mut applier),
+                    _ => Ok(()),
+                };
+                match round.and_then(|stats| persisted.map(|()| stats)) {
+                    Ok(stats) => crate::apply::accumulate(&mut total, stats),
+                    Err(e) => {
                         let _ = failed_tx.send(true);
-                        return Err(crate::kafka::TransportError::Undelivered {
-                            flow: flow.name.clone(),
-                        }
-                        .into());
+                        return Err(e);
                     }
-                    match applier.apply_log_with(feed, &crate::crash::NoCrash).await {
-                        Ok(stats) => crate::apply::accumulate(&mut total, stats),
-                        Err(e) => {
+                }
+                if finished && let Some((_, feed)) = &kafka {
+                    // Caught up means applied through everything published: a
+                    // topic read can end on a quiet broker before it did.
+                    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                    while !applied_all_published(&applier, &log, &flow.name).await? {
+                        if std::time::Instant::now() > deadline {
                             let _ = failed_tx.send(true);
-                            return Err(e);
+                            return Err(crate::kafka::TransportError::Undelivered {
+                                flow: flow.name.clone(),
+                            }
+                            .into());
+                        }
+                        match applier.apply_log_with(feed, &crate::crash::NoCrash).await {
+                            Ok(stats) => crate::apply::accumulate(&mut total, stats),
+                            Err(e) => {
+                                let _ = failed_tx.send(true);
+                                return Err(e);
+                            }
                         }
                     }
                 }
-            }
-            if finished || last_retention.elapsed() >= RETENTION_EVERY {
-                last_retention = std::time::Instant::now();
-                enforce_retention(&log);
-            }
-            if finished {
-                if let Err(e) = persist(&mut applier) {
-                    let _ = failed_tx.send(true);
-                    return Err(e);
+                if finished || last_retention.elapsed() >= RETENTION_EVERY {
+                    last_retention = std::time::Instant::now();
+                    enforce_retention(&log);
                 }
-                return Ok(total);
-            }
-            tokio::select! {
-                () = tokio::time::sleep(Duration::from_millis(50)) => {}
-                _ = done_rx.changed() => {}
-                _ = moved.wait_for(|()| horizon() > seen) => {}
+                if finished {
+                    if let Err(e) = persist(&mut applier) {
+                        let _ = failed_tx.send(true);
+                        return Err(e);
+                    }
+                    return Ok(total);
+                }
+                let idle = tokio::time::sleep(IDLE_TICK);
+                tokio::pin!(idle);
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = done_rx.changed() => break,
+                        _ = moved.wait_for(|()| horizon() > seen) => break,
+                        // The topic delivers later than the log is written:
+                        // a transaction opened ahead would wait idle.
+                        () = begun.notified(), if kafka.is_none() => applier.open_ahead().await,
+                        () = &mut idle => {
+                            applier.close_opened().await;
+                            break;
+                        }
+                    }
+                }
             }
         }
+        .await;
+        // Whatever ended the loop, the session is left outside a
+        // transaction for what reads the target next.
+        applier.close_opened().await;
+        result
     };
     let apply = async {
         let result = apply.await;
@@ -714,6 +734,10 @@ const RETENTION_EVERY: Duration = Duration::from_secs(10);
 const CHUNK_PATIENCE: Duration = Duration::from_secs(2);
 /// How often the applier persists its log cursor while it applies.
 const CURSOR_EVERY: Duration = Duration::from_millis(500);
+/// With nothing new for this long the applier is idle: it persists its
+/// cursor and rolls back a transaction it opened ahead for rows that did
+/// not come.
+const IDLE_TICK: Duration = Duration::from_millis(50);
 
 /// Deletes segments every consumer has passed, within the flow's size
 /// limit; what a lagging consumer holds is reported, never deleted.

@@ -1201,6 +1201,77 @@ fn a_checkpoint_moved_by_another_writer_is_respected_on(major: Major) {
 }
 
 #[test]
+fn a_transaction_opened_ahead_holds_the_checkpoint_until_its_rows_commit() {
+    on_every_major(a_transaction_opened_ahead_holds_the_checkpoint_until_its_rows_commit_on);
+}
+
+/// `run` opens the next target transaction as a source transaction begins
+/// (`Applier::open_ahead`): from then the checkpoint is locked, so no other
+/// writer interleaves; the rows commit in that transaction; one whose rows
+/// do not come is rolled back; and a checkpoint another writer moved just
+/// before the opening is still respected.
+fn a_transaction_opened_ahead_holds_the_checkpoint_until_its_rows_commit_on(major: Major) {
+    let Some(rig) = ApplierRig::new(major) else {
+        return;
+    };
+    let ApplierRig {
+        target, log, rt, ..
+    } = &rig;
+    let mut applier = rig.applier();
+    let locked = || {
+        target
+            .try_psql("SELECT 1 FROM trellara.checkpoints WHERE flow = 't' FOR UPDATE NOWAIT")
+            .is_err()
+    };
+    // The opening is sent without waiting: let the session's connection
+    // put it on the wire and the target take the lock.
+    let open_ahead = |applier: &mut trellara_relay::apply::Applier| {
+        rt.block_on(async {
+            applier.open_ahead().await;
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        });
+    };
+    let ids =
+        || target.psql_value("SELECT string_agg(id::text, ',' ORDER BY id) FROM public.sales");
+    let (a, b, c) = (0x1000_0000u64, 0x2000_0000u64, 0x3000_0000u64);
+    open_ahead(&mut applier);
+    assert!(
+        !locked(),
+        "no checkpoint known yet: nothing is opened ahead"
+    );
+    log.append(a, &sales_chunk(a, 0, 1, 1)).expect("append");
+    let stats = rt.block_on(applier.apply_log(log)).expect("apply");
+    assert_eq!(stats.transactions, 1);
+
+    open_ahead(&mut applier);
+    assert!(locked(), "opened ahead: the checkpoint is locked");
+    log.append(b, &sales_chunk(b, 0, 1, 2)).expect("append");
+    let stats = rt.block_on(applier.apply_log(log)).expect("apply");
+    assert_eq!(stats.transactions, 1);
+    assert_eq!(ids(), "1,2");
+    assert_eq!(
+        target.psql_value("SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = 't'"),
+        "0/20000000"
+    );
+    assert!(!locked(), "committed with its rows: the lock is released");
+
+    open_ahead(&mut applier);
+    assert!(locked());
+    rt.block_on(applier.close_opened());
+    assert!(!locked(), "rows that did not come: rolled back");
+
+    // Another writer claims C just before the opening: the lock's answer
+    // is checked when C's rows go, and C is skipped as a duplicate.
+    target.psql("UPDATE trellara.checkpoints SET commit_lsn = '0/30000000' WHERE flow = 't'");
+    open_ahead(&mut applier);
+    log.append(c, &sales_chunk(c, 0, 1, 3)).expect("append");
+    let stats = rt.block_on(applier.apply_log(log)).expect("apply");
+    assert_eq!((stats.transactions, stats.duplicates_skipped), (0, 1));
+    assert_eq!(ids(), "1,2", "C is at or below the moved checkpoint");
+    assert!(!locked());
+}
+
+#[test]
 fn copy_carries_tabs_newlines_backslashes_and_nulls_exactly() {
     on_every_major(copy_carries_tabs_newlines_backslashes_and_nulls_exactly_on);
 }

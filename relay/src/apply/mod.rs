@@ -200,6 +200,16 @@ pub struct Applier<T: Target = PgTarget> {
     /// unknown, read it lock first).
     known_checkpoint: Option<Option<Lsn>>,
     cursor: LazyCursor,
+    /// The next target transaction, opened while its source transaction
+    /// was still arriving ([`open_ahead`](Applier::open_ahead)).
+    opened: Option<Opened<T::Lock>>,
+}
+
+/// `BEGIN` and the checkpoint lock already sent, assuming `assumed`: the
+/// target wakes and locks while capture decodes and logs the rows.
+struct Opened<L> {
+    lock: L,
+    assumed: Option<Lsn>,
 }
 
 /// Where the applier is in its records, ahead of its persisted cursor.
@@ -501,7 +511,46 @@ impl<T: Target> Applier<T> {
             patience: None,
             known_checkpoint: None,
             cursor: LazyCursor::default(),
+            opened: None,
         }
+    }
+
+    /// Opens the next target transaction before its rows are in the log:
+    /// sends `BEGIN` and the checkpoint lock without waiting, so the target
+    /// backend's wake-up and lock overlap the rest of the source
+    /// transaction's capture. Only when the checkpoint is known (the lock's
+    /// answer is checked when the rows go); a failure here is left for the
+    /// apply to meet again.
+    pub async fn open_ahead(&mut self) {
+        let Some(assumed) = self.known_checkpoint else {
+            return;
+        };
+        if self.opened.is_some() || self.target.begin().await.is_err() {
+            return;
+        }
+        match self.target.send_lock_checkpoint(&self.flow).await {
+            Ok(lock) => self.opened = Some(Opened { lock, assumed }),
+            Err(_) => self.target.rollback().await,
+        }
+    }
+
+    /// Rolls back a transaction opened ahead whose rows did not come.
+    pub async fn close_opened(&mut self) {
+        if self.opened.take().is_some() {
+            self.target.rollback().await;
+        }
+    }
+
+    /// The lock of the transaction opened ahead, if it assumed `assumed`
+    /// (any other is rolled back).
+    async fn take_opened(&mut self, assumed: Option<Option<Lsn>>) -> Option<T::Lock> {
+        let opened = self.opened.take()?;
+        if assumed == Some(opened.assumed) {
+            return Some(opened.lock);
+        }
+        drop(opened);
+        self.target.rollback().await;
+        None
     }
 
     /// Waits up to `patience` for the rest of a chunk run that is still
@@ -696,6 +745,8 @@ impl<T: Target> Applier<T> {
         reason: String,
         envelope: &[u8],
     ) -> Result<ApplyError, ApplyError> {
+        // The record is written outside any data transaction.
+        self.close_opened().await;
         let recovery = format!(
             "fix the cause named above at the target (or the config), then rerun `trellara run --config {}`: the quarantined transaction is retried first; `trellara verify --config {}` afterwards",
             self.config_path, self.config_path
@@ -760,9 +811,15 @@ impl<T: Target> Applier<T> {
         hooks: &dyn CrashHooks,
         assumed: Option<Option<Lsn>>,
     ) -> Result<Attempt, Refusal> {
-        self.target.begin().await?;
+        let lock = match self.take_opened(assumed).await {
+            Some(lock) => Ok(lock),
+            None => {
+                self.target.begin().await?;
+                self.target.send_lock_checkpoint(&self.flow).await
+            }
+        };
         let result = async {
-            let lock = self.target.send_lock_checkpoint(&self.flow).await?;
+            let lock = lock?;
             let (checkpoint, settle) = match assumed {
                 Some(assumed) => {
                     let (locked, settle) =
@@ -881,6 +938,7 @@ impl<T: Target> Applier<T> {
     ) -> Result<Chunked, ApplyError> {
         let ChunkedRun { first, first_bytes } = run;
         // Large transactions lock first; the next batch does too.
+        self.close_opened().await;
         self.known_checkpoint = None;
         let commit = first.commit_lsn;
         let xid = first.xid;

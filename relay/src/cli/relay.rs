@@ -146,6 +146,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         pinned: HashMap::new(),
         floor: Default::default(),
         progress: None,
+        begun: None,
     };
     let stats = runtime.block_on(capture::run(config, crate::flow::until_signal()))?;
     eprintln!(

@@ -871,6 +871,7 @@ fn config() -> CaptureConfig {
         pinned: std::collections::HashMap::new(),
         floor: Lsn::ZERO,
         progress: None,
+        begun: None,
     }
 }
 
