@@ -386,7 +386,9 @@ pub async fn run_watched<W: Watch>(
             CapturePath::External => capture::run_on(config, &log, stop)
                 .await
                 .map_err(FlowError::from),
-            CapturePath::Native => native_capture(flow, &source, &log, &log_dir, tx, stop).await,
+            CapturePath::Native => {
+                native_capture(flow, &source, &log, &log_dir, tx, Arc::clone(&begun), stop).await
+            }
         };
         let _ = done_tx.send(true);
         result
@@ -560,6 +562,7 @@ async fn native_capture(
     log: &Log<FsStorage>,
     log_dir: &std::path::Path,
     progress: Arc<tokio::sync::watch::Sender<Lsn>>,
+    begun: Arc<tokio::sync::Notify>,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<capture::CaptureStats, FlowError> {
     let sql_error = |what: &str, e: tokio_postgres::Error| {
@@ -624,6 +627,7 @@ async fn native_capture(
         source_id: flow.source_id(),
         max_envelope_bytes: 256 << 20,
         progress: Some(progress),
+        begun: Some(begun),
     };
     let serve = crate::native::serve_on(config, log, stop);
     let start = async {

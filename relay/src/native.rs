@@ -46,6 +46,9 @@ pub struct NativeConfig {
     pub max_envelope_bytes: usize,
     /// Receives the acknowledged (durable) source position as it moves.
     pub progress: Option<Arc<tokio::sync::watch::Sender<Lsn>>>,
+    /// Told as each frame starts, before it is read whole: the applier
+    /// opens its target transaction meanwhile.
+    pub begun: Option<Arc<tokio::sync::Notify>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -360,7 +363,14 @@ where
                 flush!();
                 continue;
             }
-            Ok(None) => {}
+            Ok(None) => {
+                if let Some(begun) = &config.begun {
+                    begun.notify_one();
+                    // The applier's BEGIN goes out before this frame is
+                    // read, checked and logged.
+                    tokio::task::yield_now().await;
+                }
+            }
             Err(e) => {
                 return Err(reject(config, &mut write, &frame, &e.to_string(), stats).await);
             }

@@ -106,6 +106,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             source_id: flow.source_id(),
             max_envelope_bytes: 256 << 20,
             progress: None,
+            begun: None,
         };
         return serve_native(&runtime, config);
     }
@@ -118,6 +119,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             source_id,
             max_envelope_bytes: 256 << 20,
             progress: None,
+            begun: None,
         };
         return serve_native(&runtime, config);
     }

@@ -34,13 +34,21 @@ pub(crate) struct IndexEntry {
 pub(crate) struct SparseIndex {
     interval: u64,
     entries: Vec<IndexEntry>,
+    /// Every one of the last [`RECENT`] frames, never written to the index
+    /// file: a consumer keeping up with the writer seeks straight to the
+    /// record it needs instead of walking up to `interval` bytes of headers.
+    recent: std::collections::VecDeque<IndexEntry>,
 }
+
+/// Frames [`SparseIndex`] remembers exactly.
+const RECENT: usize = 64;
 
 impl SparseIndex {
     pub fn new(interval: u64) -> Self {
         SparseIndex {
             interval: interval.max(1),
             entries: Vec::new(),
+            recent: std::collections::VecDeque::with_capacity(RECENT),
         }
     }
 
@@ -54,14 +62,24 @@ impl SparseIndex {
         if due {
             self.entries.push(IndexEntry { offset, pos });
         }
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(IndexEntry { offset, pos });
     }
 
     /// The entry with the greatest offset not above `offset`.
     pub fn lookup(&self, offset: u64) -> Option<IndexEntry> {
-        let after = self.entries.partition_point(|e| e.offset <= offset);
-        after
+        let sparse = (self.entries.partition_point(|e| e.offset <= offset))
             .checked_sub(1)
-            .and_then(|i| self.entries.get(i))
+            .and_then(|i| self.entries.get(i));
+        let recent = (self.recent.partition_point(|e| e.offset <= offset))
+            .checked_sub(1)
+            .and_then(|i| self.recent.get(i));
+        sparse
+            .into_iter()
+            .chain(recent)
+            .max_by_key(|e| e.offset)
             .copied()
     }
 }
@@ -262,6 +280,33 @@ mod tests {
         assert_eq!(index.lookup(10).unwrap().offset, 10);
         let hit = index.lookup(25).unwrap();
         assert!(hit.offset <= 25);
+    }
+
+    #[test]
+    fn the_last_frames_are_found_exactly_and_not_written() {
+        let mut index = SparseIndex::new(1 << 20);
+        let pos = |offset: u64| SEGMENT_HEADER_LEN as u64 + offset * 45;
+        for offset in 0..200 {
+            index.observe(offset, pos(offset));
+        }
+        for offset in 200 - RECENT as u64..200 {
+            let hit = index.lookup(offset).unwrap();
+            assert_eq!((hit.offset, hit.pos), (offset, pos(offset)));
+        }
+        assert_eq!(index.lookup(500).unwrap().offset, 199);
+        // Older ones fall back to the sparse entries (here only the first).
+        assert_eq!(index.lookup(100).unwrap().offset, 0);
+        let summary = SealedSummary {
+            next_offset: 200,
+            segment_len: pos(200),
+            last_commit_lsn: Some(1),
+        };
+        let (_, decoded) = decode(&encode(0, &summary, &index), 0, 1 << 20).unwrap();
+        assert_eq!(
+            decoded.entries.len(),
+            1,
+            "the file holds the sparse entries only"
+        );
     }
 
     #[test]

@@ -121,6 +121,7 @@ pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, Stri
         source_id: "sim".into(),
         max_envelope_bytes: 1 << 20,
         progress: None,
+        begun: None,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
