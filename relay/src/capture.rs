@@ -510,7 +510,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                 ev = stream.recv() => Some(ev?.ok_or(WireError::Closed)?),
                 () = tokio::time::sleep(config.status_interval) => None,
                 () = &mut shutdown => {
-                    batch.flush(log, stream, stats, hooks).await?;
+                    batch.advance(log, stream, stats, hooks).await?;
                     return Ok(true);
                 }
             }
@@ -558,6 +558,9 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                 pins_stored = assembler.pinned().len();
             }
         }
+        if batch.idle.is_some() && batch.advance_due(config.status_interval) {
+            batch.advance(log, stream, stats, hooks).await?;
+        }
         if stream.status_due(config.status_interval) {
             stream.send_status().await?;
             crash(hooks, CrashPoint::Acknowledged)?;
@@ -588,6 +591,10 @@ struct Batch {
     /// Written writes in order: where each ends in the log, and the end
     /// LSN the source may move to once it is durable.
     written: std::collections::VecDeque<(u64, Option<Lsn>)>,
+    /// The latest keepalive position seen with no transaction open: past
+    /// WAL with nothing to capture, recorded by [`Batch::advance`].
+    idle: Option<Lsn>,
+    advanced_at: Option<tokio::time::Instant>,
 }
 
 impl Batch {
@@ -647,6 +654,37 @@ impl Batch {
         }
         if let Some(ack) = ack {
             stream.set_durable(ack);
+        }
+        Ok(())
+    }
+
+    fn advance_due(&self, every: Duration) -> bool {
+        self.advanced_at.is_none_or(|at| at.elapsed() >= every)
+    }
+
+    /// Moves the source past the idle keepalive position: everything
+    /// before it durable first, then the position recorded in the log
+    /// (the source-ack cursor), and only then acknowledged.
+    async fn advance<S: Storage>(
+        &mut self,
+        log: &Log<S>,
+        stream: &mut impl SourceStream,
+        stats: &mut CaptureStats,
+        hooks: &dyn CrashHooks,
+    ) -> Result<(), CaptureError> {
+        self.flush(log, stream, stats, hooks).await?;
+        self.advanced_at = Some(tokio::time::Instant::now());
+        if let Some(idle) = self.idle.take()
+            && idle > stream.durable()
+        {
+            log.commit_cursor(
+                SOURCE_ACK,
+                CursorPosition {
+                    next_offset: log.next_offset(),
+                    last_commit_lsn: Some(idle.0),
+                },
+            )?;
+            stream.set_durable(idle);
         }
         Ok(())
     }
@@ -756,22 +794,23 @@ async fn handle_event<S: Storage>(
             wal_end,
             reply_requested,
         } => {
-            // Everything up to wal_end was sent and processed; with nothing
-            // open here and everything appended, no committed transaction
-            // lies below it that is not durable. Record the advance first.
-            batch.flush(log, stream, stats, hooks).await?;
+            // Everything up to wal_end was sent and processed: with nothing
+            // open here, no committed transaction lies below it that is not
+            // in the batch or the log. The source may move there once all
+            // of that is durable.
             let open = assembler.in_transaction();
             #[cfg(test)]
             let open = open && !mutation::KEEPALIVE_IN_TRANSACTION.with(std::cell::Cell::get);
-            if !open && wal_end > stream.durable() {
-                log.commit_cursor(
-                    SOURCE_ACK,
-                    CursorPosition {
-                        next_offset: log.next_offset(),
-                        last_commit_lsn: Some(wal_end.0),
-                    },
-                )?;
-                stream.set_durable(wal_end);
+            if !open {
+                batch.idle = batch.idle.max(Some(wal_end));
+            }
+            // The walsender pings after each transaction it sends while the
+            // acknowledged position is behind: advancing (an fsync wait and
+            // a cursor commit) on every ping would cap capture at one
+            // transaction per fsync. So at most once per status interval,
+            // unless the server asks.
+            if reply_requested || batch.advance_due(config.status_interval) {
+                batch.advance(log, stream, stats, hooks).await?;
             }
             if reply_requested {
                 stream.send_status().await?;

@@ -221,6 +221,7 @@ fn tls_and_scram_on_a_real_server() {
         pinned: Default::default(),
         floor: Default::default(),
         progress: None,
+        begun: None,
     };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let handle = std::thread::spawn(move || {

@@ -93,6 +93,7 @@ fn config(cluster: &Cluster, dir: &Path) -> CaptureConfig {
         pinned: HashMap::new(),
         floor: Default::default(),
         progress: None,
+        begun: None,
     }
 }
 

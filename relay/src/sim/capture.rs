@@ -1142,6 +1142,159 @@ mod tests {
         assert!(!failed.is_empty(), "a lost transaction went unnoticed");
     }
 
+    /// A walsender pings after each transaction it sends while the relay's
+    /// acknowledged position is behind. Capture records such an idle
+    /// position at most once per status interval, so a stream of
+    /// transactions each followed by a ping costs a few fsyncs, not one per
+    /// transaction (which capped live capture at one transaction per
+    /// fsync); the last ping's position is still recorded and acknowledged
+    /// at shutdown.
+    #[test]
+    fn pings_between_transactions_do_not_cost_an_fsync_each() {
+        struct Scripted {
+            queue: VecDeque<ReplicationEvent>,
+            durable: Lsn,
+            exhausted: Rc<Cell<bool>>,
+        }
+        impl SourceStream for Scripted {
+            async fn recv(&mut self) -> Result<Option<ReplicationEvent>, WireError> {
+                match self.queue.pop_front() {
+                    Some(event) => Ok(Some(event)),
+                    None => {
+                        self.exhausted.set(true);
+                        std::future::pending().await
+                    }
+                }
+            }
+            fn set_durable(&mut self, lsn: Lsn) {
+                self.durable = self.durable.max(lsn);
+            }
+            fn durable(&self) -> Lsn {
+                self.durable
+            }
+            fn status_due(&self, _every: Duration) -> bool {
+                false
+            }
+            async fn send_status(&mut self) -> Result<(), WireError> {
+                Ok(())
+            }
+        }
+        let xlog = |pos: u64, message: Message| ReplicationEvent::XLogData {
+            start: Lsn(pos),
+            end: Lsn(pos),
+            data: pg::encode(&message),
+        };
+        let mut queue = VecDeque::from([xlog(0x100, relation_message(None, false))]);
+        let (mut pos, mut last_ping) = (0x1000u64, 0);
+        for i in 0..100u32 {
+            let (commit, end) = (pos + 0x100, pos + 0x128);
+            queue.push_back(xlog(
+                pos,
+                Message::Begin(pg::Begin {
+                    final_lsn: commit,
+                    commit_time: 0,
+                    xid: 1000 + i,
+                }),
+            ));
+            queue.push_back(xlog(
+                pos + 0x10,
+                Message::Insert(pg::Insert {
+                    xid: None,
+                    relation: OID,
+                    new: vec![
+                        text_column(&i.to_string()),
+                        text_column("n"),
+                        text_column("d"),
+                    ],
+                }),
+            ));
+            queue.push_back(xlog(
+                commit,
+                Message::Commit(pg::Commit {
+                    flags: 0,
+                    commit_lsn: commit,
+                    end_lsn: end,
+                    commit_time: 0,
+                }),
+            ));
+            last_ping = end + 0x8;
+            queue.push_back(ReplicationEvent::Keepalive {
+                wal_end: Lsn(last_ping),
+                reply_requested: false,
+            });
+            pos = end + 0x100;
+        }
+        let (log, _) =
+            Log::open(SimStorage::new(7), "/log", crate::log::LogConfig::default()).expect("open");
+        log.register_consumer(capture::SOURCE_ACK)
+            .expect("register");
+        let exhausted = Rc::new(Cell::new(false));
+        let mut stream = Scripted {
+            queue,
+            durable: Lsn::ZERO,
+            exhausted: exhausted.clone(),
+        };
+        let config = config();
+        let mut assembler = Assembler::new(AssemblerConfig {
+            source: envelope::SourceIdentity {
+                source_id: "sim".into(),
+                dataset_id: "sim".into(),
+                system_identifier: 1,
+                database: "sim".into(),
+                timeline: 1,
+            },
+            server_version_num: 170_009,
+            decoder: "pgoutput/2".into(),
+            memory_budget: config.memory_budget,
+            chunk_bytes: 1 << 20,
+            spill_dir: std::env::temp_dir().join("trellara-sim-capture-pings"),
+            pinned: std::collections::HashMap::new(),
+        });
+        let fsyncs_before = log.stats().fsyncs;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .expect("runtime");
+        let stopped = runtime.block_on(async {
+            use futures_util::FutureExt;
+            let shutdown = async move {
+                while !exhausted.get() {
+                    tokio::task::yield_now().await;
+                }
+            };
+            let shutdown = std::pin::pin!(shutdown.fuse());
+            capture::stream_changes(
+                &config,
+                &log,
+                &mut stream,
+                &mut assembler,
+                capture::read_resume(&log).expect("resume"),
+                &mut CaptureStats::default(),
+                shutdown,
+                &CrashOnce::never(),
+            )
+            .await
+        });
+        assert!(matches!(stopped, Ok(true)), "{stopped:?}");
+        assert_eq!(log.next_offset(), 100, "every transaction is in the log");
+        let fsyncs = log.stats().fsyncs - fsyncs_before;
+        assert!(
+            fsyncs <= 5,
+            "{fsyncs} fsyncs for 100 transactions and 100 pings"
+        );
+        assert_eq!(
+            stream.durable(),
+            Lsn(last_ping),
+            "the last ping is acknowledged"
+        );
+        assert_eq!(
+            capture::read_resume(&log).expect("resume").ack_lsn,
+            Lsn(last_ping),
+            "and recorded in the log before it was"
+        );
+    }
+
     /// A replayed history is the same history.
     #[test]
     fn a_seed_replays_exactly() {
