@@ -809,7 +809,9 @@ async fn handle_event<S: Storage>(
             // a cursor commit) on every ping would cap capture at one
             // transaction per fsync. So at most once per status interval,
             // unless the server asks.
-            if reply_requested || batch.advance_due(config.status_interval) {
+            if reply_requested
+                || (batch.idle.is_some() && batch.advance_due(config.status_interval))
+            {
                 batch.advance(log, stream, stats, hooks).await?;
             }
             if reply_requested {

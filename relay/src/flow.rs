@@ -493,7 +493,11 @@ pub async fn run_watched<W: Watch>(
                         _ = moved.wait_for(|()| horizon() > seen) => break,
                         // The topic delivers later than the log is written:
                         // a transaction opened ahead would wait idle.
-                        () = begun.notified(), if kafka.is_none() => applier.open_ahead().await,
+                        () = begun.notified(), if kafka.is_none() => {
+                        applier.open_ahead().await;
+                        // Its rows get the whole tick to come.
+                        idle.as_mut().reset(tokio::time::Instant::now() + IDLE_TICK);
+                    }
                         () = &mut idle => {
                             applier.close_opened().await;
                             break;
