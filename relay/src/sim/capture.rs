@@ -875,6 +875,30 @@ fn config() -> CaptureConfig {
     }
 }
 
+/// A simulated session's assembler, spilling under the temp dir's `spill`.
+fn assembler(
+    config: &CaptureConfig,
+    chunk_bytes: usize,
+    spill: &str,
+    pinned: std::collections::HashMap<String, u64>,
+) -> Assembler {
+    Assembler::new(AssemblerConfig {
+        source: envelope::SourceIdentity {
+            source_id: "sim".into(),
+            dataset_id: "sim".into(),
+            system_identifier: 1,
+            database: "sim".into(),
+            timeline: 1,
+        },
+        server_version_num: 170_009,
+        decoder: "pgoutput/2".into(),
+        memory_budget: config.memory_budget,
+        chunk_bytes,
+        spill_dir: std::env::temp_dir().join(spill),
+        pinned,
+    })
+}
+
 /// The log's transactions: chunk runs joined, runs cut by a crash skipped.
 fn logged(log: &Log<SimStorage>, seed: u64) -> Result<Vec<Committed>, String> {
     let reader = log
@@ -972,22 +996,12 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
             confirmed_history: confirmed_history.clone(),
         };
         let mut walsender = Walsender::start(&src, resume.ack_lsn.0, session);
-        let mut assembler = Assembler::new(AssemblerConfig {
-            source: envelope::SourceIdentity {
-                source_id: "sim".into(),
-                dataset_id: "sim".into(),
-                system_identifier: 1,
-                database: "sim".into(),
-                timeline: 1,
-            },
-            server_version_num: 170_009,
-            decoder: "pgoutput/2".into(),
-            memory_budget: config.memory_budget,
-            chunk_bytes: config.chunk_bytes,
-            spill_dir: std::env::temp_dir().join(format!("trellara-sim-capture-{seed}")),
-            pinned: capture::pinned(&config, &log)
-                .map_err(|e| format!("seed {seed}: pins: {e}"))?,
-        });
+        let mut assembler = assembler(
+            &config,
+            config.chunk_bytes,
+            &format!("trellara-sim-capture-{seed}"),
+            capture::pinned(&config, &log).map_err(|e| format!("seed {seed}: pins: {e}"))?,
+        );
         let mut stats = CaptureStats::default();
         let outcome = runtime.block_on(async {
             use futures_util::FutureExt;
@@ -1235,21 +1249,12 @@ mod tests {
             exhausted: exhausted.clone(),
         };
         let config = config();
-        let mut assembler = Assembler::new(AssemblerConfig {
-            source: envelope::SourceIdentity {
-                source_id: "sim".into(),
-                dataset_id: "sim".into(),
-                system_identifier: 1,
-                database: "sim".into(),
-                timeline: 1,
-            },
-            server_version_num: 170_009,
-            decoder: "pgoutput/2".into(),
-            memory_budget: config.memory_budget,
-            chunk_bytes: 1 << 20,
-            spill_dir: std::env::temp_dir().join("trellara-sim-capture-pings"),
-            pinned: std::collections::HashMap::new(),
-        });
+        let mut assembler = assembler(
+            &config,
+            1 << 20,
+            "trellara-sim-capture-pings",
+            std::collections::HashMap::new(),
+        );
         let fsyncs_before = log.stats().fsyncs;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_time()
