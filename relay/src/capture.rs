@@ -558,7 +558,11 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                 pins_stored = assembler.pinned().len();
             }
         }
-        if batch.idle.is_some() && batch.advance_due(config.status_interval) {
+        // The walsender pings after each transaction it sends while the
+        // acknowledged position is behind: advancing (an fsync wait and a
+        // cursor commit) on every ping would cap capture at one transaction
+        // per fsync. So at most once per status interval.
+        if batch.advance_due(config.status_interval) {
             batch.advance(log, stream, stats, hooks).await?;
         }
         if stream.status_due(config.status_interval) {
@@ -658,8 +662,9 @@ impl Batch {
         Ok(())
     }
 
+    /// An idle position waits, and the last advance is `every` ago.
     fn advance_due(&self, every: Duration) -> bool {
-        self.advanced_at.is_none_or(|at| at.elapsed() >= every)
+        self.idle.is_some() && self.advanced_at.is_none_or(|at| at.elapsed() >= every)
     }
 
     /// Moves the source past the idle keepalive position: everything
@@ -749,7 +754,11 @@ async fn handle_event<S: Storage>(
                 begun.notify_one();
                 // Even when the rest is already here: the applier's BEGIN
                 // goes out first, and the target wakes while this decodes.
-                tokio::task::yield_now().await;
+                // Not mid-burst (records waiting to be written): then the
+                // applier is busy and the yield would only cost.
+                if batch.records.is_empty() {
+                    tokio::task::yield_now().await;
+                }
             }
             match message {
                 Message::StreamStart(_) => **in_stream_block = true,
@@ -804,17 +813,10 @@ async fn handle_event<S: Storage>(
             if !open {
                 batch.idle = batch.idle.max(Some(wal_end));
             }
-            // The walsender pings after each transaction it sends while the
-            // acknowledged position is behind: advancing (an fsync wait and
-            // a cursor commit) on every ping would cap capture at one
-            // transaction per fsync. So at most once per status interval,
-            // unless the server asks.
-            if reply_requested
-                || (batch.idle.is_some() && batch.advance_due(config.status_interval))
-            {
-                batch.advance(log, stream, stats, hooks).await?;
-            }
+            // The streaming loop advances to it when due; a reply the
+            // server asks for reports it at once.
             if reply_requested {
+                batch.advance(log, stream, stats, hooks).await?;
                 stream.send_status().await?;
                 crash(hooks, CrashPoint::Acknowledged)?;
             }

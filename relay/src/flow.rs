@@ -415,7 +415,7 @@ pub async fn run_watched<W: Watch>(
         .with_cursor_every(CURSOR_EVERY);
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
-        let result = async {
+        let result: Result<ApplyStats, ApplyError> = async {
             let mut total = ApplyStats::default();
             let mut last_retention = std::time::Instant::now();
             // The applier wakes as soon as capture wrote something (it commits
@@ -433,44 +433,31 @@ pub async fn run_watched<W: Watch>(
             loop {
                 let seen = horizon();
                 let finished = *done_rx.borrow();
-                let round = match &kafka {
-                    None => applier.apply_log(&log).await,
-                    Some((publisher, feed)) => match publisher.publish(&log).await {
-                        Ok(_) => applier.apply_log_with(feed, &crate::crash::NoCrash).await,
-                        Err(e) => Err(e.into()),
-                    },
+                let stats = match &kafka {
+                    None => applier.apply_log(&log).await?,
+                    Some((publisher, feed)) => {
+                        publisher.publish(&log).await?;
+                        applier.apply_log_with(feed, &crate::crash::NoCrash).await?
+                    }
                 };
                 // Idle: what the cursor has not persisted yet goes now.
-                let persisted = match &round {
-                    Ok(stats) if stats.transactions == 0 => persist(&mut applier),
-                    _ => Ok(()),
-                };
-                match round.and_then(|stats| persisted.map(|()| stats)) {
-                    Ok(stats) => crate::apply::accumulate(&mut total, stats),
-                    Err(e) => {
-                        let _ = failed_tx.send(true);
-                        return Err(e);
-                    }
+                if stats.transactions == 0 {
+                    persist(&mut applier)?;
                 }
+                crate::apply::accumulate(&mut total, stats);
                 if finished && let Some((_, feed)) = &kafka {
                     // Caught up means applied through everything published: a
                     // topic read can end on a quiet broker before it did.
                     let deadline = std::time::Instant::now() + Duration::from_secs(60);
                     while !applied_all_published(&applier, &log, &flow.name).await? {
                         if std::time::Instant::now() > deadline {
-                            let _ = failed_tx.send(true);
                             return Err(crate::kafka::TransportError::Undelivered {
                                 flow: flow.name.clone(),
                             }
                             .into());
                         }
-                        match applier.apply_log_with(feed, &crate::crash::NoCrash).await {
-                            Ok(stats) => crate::apply::accumulate(&mut total, stats),
-                            Err(e) => {
-                                let _ = failed_tx.send(true);
-                                return Err(e);
-                            }
-                        }
+                        let stats = applier.apply_log_with(feed, &crate::crash::NoCrash).await?;
+                        crate::apply::accumulate(&mut total, stats);
                     }
                 }
                 if finished || last_retention.elapsed() >= RETENTION_EVERY {
@@ -478,10 +465,7 @@ pub async fn run_watched<W: Watch>(
                     enforce_retention(&log);
                 }
                 if finished {
-                    if let Err(e) = persist(&mut applier) {
-                        let _ = failed_tx.send(true);
-                        return Err(e);
-                    }
+                    persist(&mut applier)?;
                     return Ok(total);
                 }
                 let idle = tokio::time::sleep(IDLE_TICK);
@@ -494,10 +478,10 @@ pub async fn run_watched<W: Watch>(
                         // The topic delivers later than the log is written:
                         // a transaction opened ahead would wait idle.
                         () = begun.notified(), if kafka.is_none() => {
-                        applier.open_ahead().await;
-                        // Its rows get the whole tick to come.
-                        idle.as_mut().reset(tokio::time::Instant::now() + IDLE_TICK);
-                    }
+                            applier.open_ahead().await;
+                            // Its rows get the whole tick to come.
+                            idle.as_mut().reset(tokio::time::Instant::now() + IDLE_TICK);
+                        }
                         () = &mut idle => {
                             applier.close_opened().await;
                             break;
@@ -507,6 +491,10 @@ pub async fn run_watched<W: Watch>(
             }
         }
         .await;
+        if result.is_err() {
+            // Capture stops too.
+            let _ = failed_tx.send(true);
+        }
         // Whatever ended the loop, the session is left outside a
         // transaction for what reads the target next.
         applier.close_opened().await;

@@ -367,8 +367,11 @@ where
                 if let Some(begun) = &config.begun {
                     begun.notify_one();
                     // The applier's BEGIN goes out before this frame is
-                    // read, checked and logged.
-                    tokio::task::yield_now().await;
+                    // read, checked and logged (not mid-burst, when it is
+                    // busy anyway).
+                    if pending.is_empty() {
+                        tokio::task::yield_now().await;
+                    }
                 }
             }
             Err(e) => {

@@ -545,12 +545,11 @@ impl<T: Target> Applier<T> {
     /// (any other is rolled back).
     async fn take_opened(&mut self, assumed: Option<Option<Lsn>>) -> Option<T::Lock> {
         let opened = self.opened.take()?;
-        if assumed == Some(opened.assumed) {
-            return Some(opened.lock);
+        if assumed != Some(opened.assumed) {
+            self.target.rollback().await;
+            return None;
         }
-        drop(opened);
-        self.target.rollback().await;
-        None
+        Some(opened.lock)
     }
 
     /// Waits up to `patience` for the rest of a chunk run that is still
@@ -588,12 +587,12 @@ impl<T: Target> Applier<T> {
         commit_lsn: u64,
     ) -> Result<(), ApplyError> {
         self.cursor.unpersisted = Some((offset, commit_lsn));
-        let due = self.cursor.every.is_zero()
-            || self
-                .cursor
-                .persisted_at
-                .is_none_or(|at| at.elapsed() >= self.cursor.every);
-        if due {
+        let every = self.cursor.every;
+        if self
+            .cursor
+            .persisted_at
+            .is_none_or(|at| at.elapsed() >= every)
+        {
             self.persist_cursor(log)?;
         }
         Ok(())
