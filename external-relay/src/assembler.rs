@@ -16,7 +16,9 @@
 //!   abort.
 //! * Memory is bounded: every transaction's changes go to a [`Spool`] that
 //!   spills past `memory_budget`; at commit the changes are read back one
-//!   chunk (at most `chunk_bytes` of changes) at a time.
+//!   chunk (at most `chunk_bytes` of changes) at a time, and each chunk is
+//!   handed over before the next is built, so the caller can write it (and
+//!   a consumer apply it) meanwhile.
 //! * Schema is pinned: the first fingerprint seen for a relation (or the one
 //!   given at start) is kept; a Relation message with another fingerprint
 //!   stops capture with [`AssemblyError::SchemaDrift`] naming the relation
@@ -161,6 +163,7 @@ pub struct Assembler {
     pinned: HashMap<String, u64>,
     open: Open,
     streams: HashMap<u32, Txn>,
+    finishing: Option<Finishing>,
     stats: AssemblerStats,
 }
 
@@ -173,6 +176,7 @@ impl Assembler {
             pinned,
             open: Open::None,
             streams: HashMap::new(),
+            finishing: None,
             stats: AssemblerStats::default(),
         }
     }
@@ -187,20 +191,24 @@ impl Assembler {
     }
 
     /// True between Begin and Commit or Stream Start and Stream Stop, or
-    /// while any streamed transaction awaits its commit or abort: then the
-    /// source position must not be advanced past what was emitted.
+    /// while any streamed transaction awaits its commit or abort, or a
+    /// committed one has chunks not emitted yet: then the source position
+    /// must not be advanced past what was emitted.
     pub fn in_transaction(&self) -> bool {
-        !matches!(self.open, Open::None) || !self.streams.is_empty()
+        !matches!(self.open, Open::None) || !self.streams.is_empty() || self.finishing.is_some()
     }
 
     /// Feeds one message; `wal_start` is its XLogData start position.
-    /// Committed transactions are handed to `emit` one envelope at a time.
+    /// A commit hands its transaction's first envelope to `emit`; the rest
+    /// of a chunk run follows through [`emit_next`](Self::emit_next), or
+    /// all at once at the start of the next call.
     pub fn handle<E>(
         &mut self,
         message: Message,
         wal_start: u64,
         emit: &mut dyn FnMut(Envelope) -> Result<(), E>,
     ) -> Result<(), AssembleOrSink<E>> {
+        while self.emit_next(emit)? {}
         match message {
             Message::Begin(begin) => {
                 self.refuse_nesting("Begin", false)?;
@@ -505,8 +513,9 @@ impl Assembler {
         Ok(())
     }
 
-    /// Emits the committed transaction as one whole envelope or a run of
-    /// chunks of at most `chunk_bytes` of changes each.
+    /// Starts handing out the committed transaction, as one whole envelope
+    /// or a run of chunks of at most `chunk_bytes` of changes each, and
+    /// emits its first; [`emit_next`](Self::emit_next) emits the rest.
     fn finish<E>(
         &mut self,
         mut txn: Txn,
@@ -534,77 +543,131 @@ impl Assembler {
                 index += 1;
             }
         }
-        let chunk_count = chunk_starts.len() as u32;
-        let mode = if chunk_count == 1 {
-            boundary::Mode::Whole
-        } else {
-            boundary::Mode::Chunked
-        };
         let begin_lsn = if txn.begin_lsn != 0 && txn.begin_lsn <= commit_lsn {
             txn.begin_lsn
         } else {
             commit_lsn
         };
-        // Pass 2: build and hand over one chunk at a time.
-        let mut reader = txn.spool.reader().map_err(spill)?;
-        let mut sequence = 0u64;
-        for (chunk_index, &first_sequence) in chunk_starts.iter().enumerate() {
-            let end = chunk_starts.get(chunk_index + 1).copied().unwrap_or(total);
-            let mut changes = Vec::with_capacity((end - first_sequence) as usize);
-            let mut used = BTreeMap::new();
-            while sequence < end {
-                let Some(record) = reader.next_record().map_err(spill)? else {
-                    break;
-                };
-                let mut change = Change::decode(record)
-                    .map_err(|source| AssemblyError::Respool { xid, source })?;
-                change.sequence = sequence;
-                if let Some(change::Body::Row(row)) = &change.body
-                    && let Some(schema) = txn.relations.get(&row.relation_id)
-                {
-                    used.entry(row.relation_id)
-                        .or_insert_with(|| schema.clone());
-                }
-                changes.push(change);
-                sequence += 1;
-            }
-            let envelope = Envelope {
-                protocol_version: PROTOCOL_VERSION,
-                source: Some(self.config.source.clone()),
-                xid: u64::from(xid),
-                begin_lsn,
-                commit_lsn,
-                end_lsn,
-                commit_time_micros: commit_time
-                    .saturating_add(pgoutput::POSTGRES_EPOCH_UNIX_MICROS),
-                relations: used.into_values().collect(),
-                changes,
-                boundary: Some(Boundary {
-                    mode: mode as i32,
-                    chunk_index: chunk_index as u32,
-                    chunk_count,
-                    first_sequence,
-                    total_changes: total,
-                    partition: 0,
-                    manifest_partitions: Vec::new(),
-                }),
-                origin: txn.origin.clone(),
-                capture: Some(Capture {
-                    path: capture::Path::External as i32,
-                    server_version_num: self.config.server_version_num,
-                    decoder: self.config.decoder.clone(),
-                    captured_at_micros: now_micros(),
-                }),
-                checksum: 0,
-            };
-            envelope::validate(&envelope)
-                .map_err(|source| AssemblyError::Invalid { xid, source })?;
-            emit(envelope).map_err(AssembleOrSink::Sink)?;
-            self.stats.envelopes += 1;
-        }
-        self.stats.transactions += 1;
+        let template = Envelope {
+            protocol_version: PROTOCOL_VERSION,
+            source: Some(self.config.source.clone()),
+            xid: u64::from(xid),
+            begin_lsn,
+            commit_lsn,
+            end_lsn,
+            commit_time_micros: commit_time.saturating_add(pgoutput::POSTGRES_EPOCH_UNIX_MICROS),
+            relations: Vec::new(),
+            changes: Vec::new(),
+            boundary: None,
+            origin: std::mem::take(&mut txn.origin),
+            capture: Some(Capture {
+                path: capture::Path::External as i32,
+                server_version_num: self.config.server_version_num,
+                decoder: self.config.decoder.clone(),
+                captured_at_micros: 0,
+            }),
+            checksum: 0,
+        };
+        // Pass 2, one chunk per call, so the caller can write each chunk
+        // (and let the applier take it) before the next is built.
+        self.finishing = Some(Finishing {
+            template,
+            relations: std::mem::take(&mut txn.relations),
+            chunk_starts,
+            next_chunk: 0,
+            total,
+            reader: txn.spool.into_reader().map_err(spill)?,
+        });
+        self.emit_next(emit)?;
         Ok(())
     }
+
+    /// Emits the next chunk of the committed transaction being handed out;
+    /// true while more remain. Any other call into the assembler emits
+    /// them all first, so none is ever skipped.
+    pub fn emit_next<E>(
+        &mut self,
+        emit: &mut dyn FnMut(Envelope) -> Result<(), E>,
+    ) -> Result<bool, AssembleOrSink<E>> {
+        let Some(f) = &mut self.finishing else {
+            return Ok(false);
+        };
+        let xid = f.template.xid as u32;
+        let spill = |source| AssemblyError::Spill { xid, source };
+        let chunk_count = f.chunk_starts.len() as u32;
+        let chunk_index = f.next_chunk;
+        let first_sequence = f.chunk_starts[chunk_index];
+        let end = f
+            .chunk_starts
+            .get(chunk_index + 1)
+            .copied()
+            .unwrap_or(f.total);
+        let mut changes = Vec::with_capacity((end - first_sequence) as usize);
+        let mut used = BTreeMap::new();
+        for sequence in first_sequence..end {
+            let Some(record) = f.reader.next_record().map_err(spill)? else {
+                break;
+            };
+            let mut change =
+                Change::decode(record).map_err(|source| AssemblyError::Respool { xid, source })?;
+            change.sequence = sequence;
+            if let Some(change::Body::Row(row)) = &change.body
+                && let Some(schema) = f.relations.get(&row.relation_id)
+            {
+                used.entry(row.relation_id)
+                    .or_insert_with(|| schema.clone());
+            }
+            changes.push(change);
+        }
+        let mode = if chunk_count == 1 {
+            boundary::Mode::Whole
+        } else {
+            boundary::Mode::Chunked
+        };
+        let mut envelope = f.template.clone();
+        envelope.relations = used.into_values().collect();
+        envelope.changes = changes;
+        envelope.boundary = Some(Boundary {
+            mode: mode as i32,
+            chunk_index: chunk_index as u32,
+            chunk_count,
+            first_sequence,
+            total_changes: f.total,
+            partition: 0,
+            manifest_partitions: Vec::new(),
+        });
+        if let Some(capture) = &mut envelope.capture {
+            capture.captured_at_micros = now_micros();
+        }
+        f.next_chunk += 1;
+        let more = f.next_chunk < f.chunk_starts.len();
+        envelope::validate(&envelope).map_err(|source| AssemblyError::Invalid { xid, source })?;
+        emit(envelope).map_err(AssembleOrSink::Sink)?;
+        self.stats.envelopes += 1;
+        if !more {
+            self.finishing = None;
+            self.stats.transactions += 1;
+        }
+        Ok(more)
+    }
+
+    /// Chunks of a committed transaction wait to be emitted.
+    pub fn finishing(&self) -> bool {
+        self.finishing.is_some()
+    }
+}
+
+/// A committed transaction whose chunks are being handed out.
+#[derive(Debug)]
+struct Finishing {
+    /// Every header field; relations, changes and boundary are per chunk.
+    template: Envelope,
+    relations: BTreeMap<u32, RelationSchema>,
+    /// The sequence each chunk starts at.
+    chunk_starts: Vec<u64>,
+    next_chunk: usize,
+    total: u64,
+    reader: crate::spool::SpoolReader<'static>,
 }
 
 /// Most bytes a spooled change grows by inside an envelope: its sequence

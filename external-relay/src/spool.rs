@@ -136,10 +136,29 @@ impl Spool {
             buf: Vec::new(),
         })
     }
+
+    /// Reads every record in order, consuming the spool: the reader owns
+    /// what it reads, so it can be kept across calls (a transaction handed
+    /// out chunk by chunk).
+    pub fn into_reader(mut self) -> io::Result<SpoolReader<'static>> {
+        let source = match self.file.take() {
+            Some(file) => {
+                let mut f = file.into_inner().map_err(|e| e.into_error())?;
+                f.seek(SeekFrom::Start(0))?;
+                Source::File(BufReader::with_capacity(64 * 1024, f).take(self.spilled))
+            }
+            None => Source::Owned(io::Cursor::new(std::mem::take(&mut self.mem))),
+        };
+        Ok(SpoolReader {
+            source,
+            buf: Vec::new(),
+        })
+    }
 }
 
 enum Source<'a> {
     Mem(&'a [u8]),
+    Owned(io::Cursor<Vec<u8>>),
     File(io::Take<BufReader<File>>),
 }
 
@@ -161,6 +180,7 @@ impl SpoolReader<'_> {
         let mut len = [0u8; 4];
         let read = match &mut self.source {
             Source::Mem(m) => m.read(&mut len)?,
+            Source::Owned(m) => m.read(&mut len)?,
             Source::File(f) => read_full(f, &mut len)?,
         };
         if read == 0 {
@@ -173,6 +193,7 @@ impl SpoolReader<'_> {
         self.buf.resize(len, 0);
         match &mut self.source {
             Source::Mem(m) => m.read_exact(&mut self.buf)?,
+            Source::Owned(m) => m.read_exact(&mut self.buf)?,
             Source::File(f) => f.read_exact(&mut self.buf)?,
         }
         Ok(Some(&self.buf))
@@ -219,8 +240,18 @@ mod tests {
         assert!(spool.is_spilled());
         assert!(spool.peak_memory() <= 1024, "peak {}", spool.peak_memory());
         assert_eq!(drain(&mut spool), records);
-        // Two passes read the same records.
+        // Two passes read the same records, and so does the owning reader.
         assert_eq!(drain(&mut spool), records);
+        assert_eq!(drain_owned(spool), records);
+    }
+
+    fn drain_owned(spool: Spool) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        let mut reader = spool.into_reader().expect("reader");
+        while let Some(r) = reader.next_record().expect("read") {
+            out.push(r.to_vec());
+        }
+        out
     }
 
     #[test]
@@ -239,6 +270,11 @@ mod tests {
                 drain(&mut spool),
                 vec![b"a".to_vec(), b"d".to_vec()],
                 "budget {budget}"
+            );
+            assert_eq!(
+                drain_owned(spool),
+                vec![b"a".to_vec(), b"d".to_vec()],
+                "budget {budget}, owning reader"
             );
         }
     }

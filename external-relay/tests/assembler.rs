@@ -354,7 +354,17 @@ fn large_transactions_spill_and_arrive_as_ordered_chunks() {
     let mut messages = vec![relation(16385, "sales", false), begin(42, 0xA000)];
     messages.extend((0..rows).map(|i| insert(None, &i.to_string())));
     messages.push(commit(0xA000));
-    let out = run(&mut asm, messages).expect("assembles");
+    let mut out = run(&mut asm, messages.clone()).expect("assembles");
+    // The commit hands over the first chunk; each later one is built when
+    // asked for, so the caller writes one before the next exists.
+    assert_eq!(out.len(), 1, "only the first chunk at the commit");
+    assert!(asm.finishing() && asm.in_transaction(), "the rest waits");
+    let mut sink = |e: Envelope| -> Result<(), Infallible> {
+        out.push(e);
+        Ok(())
+    };
+    while asm.emit_next(&mut sink).expect("next chunk") {}
+    assert!(!asm.finishing() && !asm.in_transaction());
     assert!(out.len() > 3, "expected several chunks, got {}", out.len());
     assert!(asm.stats().spilled_transactions == 1);
     assert!(
@@ -384,6 +394,24 @@ fn large_transactions_spill_and_arrive_as_ordered_chunks() {
         all.extend(ids(e));
     }
     assert_eq!(all, (0..rows).map(|i| i.to_string()).collect::<Vec<_>>());
+
+    // Chunks not asked for are emitted, in order, before the next message
+    // is handled: none is lost by a caller that does not drain.
+    let mut again = messages;
+    again.remove(0);
+    again[0] = begin(43, 0xB000);
+    *again.last_mut().expect("commit") = commit(0xB000);
+    again.push(begin(44, 0xC000));
+    let next = run(&mut asm, again).expect("assembles");
+    assert_eq!(next.len(), out.len(), "the whole run, before Begin 44");
+    assert!(
+        next.iter().enumerate().all(|(i, e)| e.commit_lsn == 0xB000
+            && e.boundary
+                .as_ref()
+                .is_some_and(|b| b.chunk_index as usize == i)),
+        "in order"
+    );
+    assert!(asm.in_transaction(), "44 is open");
 }
 
 #[test]

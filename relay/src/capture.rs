@@ -491,6 +491,30 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
             syncing = Some((end, Box::pin(log.sync_through(end))));
             continue;
         }
+        // A large transaction's chunks are built and written one at a time,
+        // each followed by a yield: the applier (on this thread) reads the
+        // written chunks into its open target transaction while the next
+        // ones are built, and each of its waits on the target costs at most
+        // one chunk's build.
+        if assembler.finishing() {
+            {
+                let mut emit = |env: Envelope| batch.take(env, resume, log, stream, stats, hooks);
+                match assembler.emit_next(&mut emit) {
+                    Ok(_) => {}
+                    Err(AssembleOrSink::Sink(e)) => return Err(e),
+                    Err(AssembleOrSink::Assembly(e)) => {
+                        // As for a refused message below: what came before
+                        // is whole; keep it.
+                        batch.flush(log, stream, stats, hooks).await?;
+                        stream.send_status().await?;
+                        return Err(e.into());
+                    }
+                }
+            }
+            batch.write(log, stream, stats)?;
+            tokio::task::yield_now().await;
+            continue;
+        }
         let event = if batch.records.is_empty() {
             let synced = async {
                 match &mut syncing {
@@ -602,6 +626,45 @@ struct Batch {
 }
 
 impl Batch {
+    /// Takes one assembled envelope: a duplicate is counted and dropped;
+    /// a transaction's last envelope is what the source may move past.
+    fn take<S: Storage>(
+        &mut self,
+        env: Envelope,
+        resume: Resume,
+        log: &Log<S>,
+        stream: &mut impl SourceStream,
+        stats: &mut CaptureStats,
+        hooks: &dyn CrashHooks,
+    ) -> Result<(), CaptureError> {
+        if Lsn(env.commit_lsn) <= resume.commit_lsn {
+            stats.duplicates_skipped += 1;
+            return Ok(());
+        }
+        let bytes = envelope::encode(&env).map_err(|source| CaptureError::BadTail {
+            offset: log.next_offset(),
+            dir: log.dir().display().to_string(),
+            source,
+        })?;
+        self.bytes += bytes.len();
+        self.records.push((env.commit_lsn, bytes));
+        let last_chunk = env
+            .boundary
+            .as_ref()
+            .is_none_or(|b| b.chunk_index + 1 == b.chunk_count);
+        if last_chunk {
+            self.ack = Some(Lsn(env.end_lsn));
+        }
+        crash(hooks, CrashPoint::ReceivedNotAppended)?;
+        // A large transaction's chunks go to disk as they come, so memory
+        // stays bounded; the source is acknowledged only at the end of a
+        // complete transaction.
+        if self.bytes >= BATCH_BYTES {
+            self.write(log, stream, stats)?;
+        }
+        Ok(())
+    }
+
     /// Writes the records (not yet durable); their acknowledgement waits
     /// in `written` for an fsync.
     fn write<S: Storage>(
@@ -765,34 +828,7 @@ async fn handle_event<S: Storage>(
                 Message::StreamStop => **in_stream_block = false,
                 _ => {}
             }
-            let mut emit = |env: Envelope| -> Result<(), CaptureError> {
-                if Lsn(env.commit_lsn) <= resume.commit_lsn {
-                    stats.duplicates_skipped += 1;
-                    return Ok(());
-                }
-                let bytes = envelope::encode(&env).map_err(|source| CaptureError::BadTail {
-                    offset: log.next_offset(),
-                    dir: log.dir().display().to_string(),
-                    source,
-                })?;
-                batch.bytes += bytes.len();
-                batch.records.push((env.commit_lsn, bytes));
-                let last_chunk = env
-                    .boundary
-                    .as_ref()
-                    .is_none_or(|b| b.chunk_index + 1 == b.chunk_count);
-                if last_chunk {
-                    batch.ack = Some(Lsn(env.end_lsn));
-                }
-                crash(hooks, CrashPoint::ReceivedNotAppended)?;
-                // A large transaction's chunks go to disk as they come, so
-                // memory stays bounded; the source is acknowledged only at
-                // the end of a complete transaction.
-                if batch.bytes >= BATCH_BYTES {
-                    batch.write(log, stream, stats)?;
-                }
-                Ok(())
-            };
+            let mut emit = |env: Envelope| batch.take(env, *resume, log, stream, stats, hooks);
             match assembler.handle(message, start.0, &mut emit) {
                 Ok(()) => {}
                 Err(AssembleOrSink::Assembly(e)) => return Err(e.into()),

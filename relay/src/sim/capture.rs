@@ -1163,41 +1163,183 @@ mod tests {
     /// transaction (which capped live capture at one transaction per
     /// fsync); the last ping's position is still recorded and acknowledged
     /// at shutdown.
-    #[test]
-    fn pings_between_transactions_do_not_cost_an_fsync_each() {
-        struct Scripted {
-            queue: VecDeque<ReplicationEvent>,
-            durable: Lsn,
-            exhausted: Rc<Cell<bool>>,
-        }
-        impl SourceStream for Scripted {
-            async fn recv(&mut self) -> Result<Option<ReplicationEvent>, WireError> {
-                match self.queue.pop_front() {
-                    Some(event) => Ok(Some(event)),
-                    None => {
-                        self.exhausted.set(true);
-                        std::future::pending().await
-                    }
+    /// A source that sends a fixed script, then nothing (and says so).
+    struct Scripted {
+        queue: VecDeque<ReplicationEvent>,
+        durable: Lsn,
+        exhausted: Rc<Cell<bool>>,
+    }
+
+    impl SourceStream for Scripted {
+        async fn recv(&mut self) -> Result<Option<ReplicationEvent>, WireError> {
+            match self.queue.pop_front() {
+                Some(event) => Ok(Some(event)),
+                None => {
+                    self.exhausted.set(true);
+                    std::future::pending().await
                 }
             }
-            fn set_durable(&mut self, lsn: Lsn) {
-                self.durable = self.durable.max(lsn);
-            }
-            fn durable(&self) -> Lsn {
-                self.durable
-            }
-            fn status_due(&self, _every: Duration) -> bool {
-                false
-            }
-            async fn send_status(&mut self) -> Result<(), WireError> {
-                Ok(())
-            }
         }
-        let xlog = |pos: u64, message: Message| ReplicationEvent::XLogData {
+        fn set_durable(&mut self, lsn: Lsn) {
+            self.durable = self.durable.max(lsn);
+        }
+        fn durable(&self) -> Lsn {
+            self.durable
+        }
+        fn status_due(&self, _every: Duration) -> bool {
+            false
+        }
+        async fn send_status(&mut self) -> Result<(), WireError> {
+            Ok(())
+        }
+    }
+
+    fn xlog(pos: u64, message: Message) -> ReplicationEvent {
+        ReplicationEvent::XLogData {
             start: Lsn(pos),
             end: Lsn(pos),
             data: pg::encode(&message),
+        }
+    }
+
+    /// Runs one capture session over `stream` on a paused clock, until the
+    /// script is exhausted; `beside` runs on the same thread meanwhile.
+    fn capture_script(
+        log: &Log<SimStorage>,
+        stream: &mut Scripted,
+        assembler: &mut Assembler,
+        beside: impl std::future::Future<Output = ()>,
+    ) -> Result<bool, CaptureError> {
+        let exhausted = stream.exhausted.clone();
+        let config = config();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            use futures_util::FutureExt;
+            let shutdown = async move {
+                while !exhausted.get() {
+                    tokio::task::yield_now().await;
+                }
+            };
+            let shutdown = std::pin::pin!(shutdown.fuse());
+            let (mut stats, hooks) = (CaptureStats::default(), CrashOnce::never());
+            let capture = capture::stream_changes(
+                &config,
+                log,
+                stream,
+                assembler,
+                capture::read_resume(log).expect("resume"),
+                &mut stats,
+                shutdown,
+                &hooks,
+            );
+            // `beside` runs only as long as capture does.
+            let beside = async {
+                beside.await;
+                std::future::pending::<()>().await
+            };
+            tokio::select! {
+                stopped = capture => stopped,
+                () = beside => unreachable!("beside never ends"),
+            }
+        })
+    }
+
+    /// The first chunks of a large transaction are in the log, for the
+    /// applier on the same thread to read, before its last chunk is built;
+    /// the source is acknowledged only after the last one.
+    #[test]
+    fn a_large_transaction_is_written_chunk_by_chunk() {
+        let (commit, end) = (0x9000u64, 0x9028u64);
+        let mut queue = VecDeque::from([
+            xlog(0x100, relation_message(None, false)),
+            xlog(
+                0x1000,
+                Message::Begin(pg::Begin {
+                    final_lsn: commit,
+                    commit_time: 0,
+                    xid: 700,
+                }),
+            ),
+        ]);
+        for i in 0..400u32 {
+            queue.push_back(xlog(
+                0x1000 + u64::from(i) * 0x10,
+                Message::Insert(pg::Insert {
+                    xid: None,
+                    relation: OID,
+                    new: vec![
+                        text_column(&i.to_string()),
+                        text_column("n"),
+                        text_column("d"),
+                    ],
+                }),
+            ));
+        }
+        queue.push_back(xlog(
+            commit,
+            Message::Commit(pg::Commit {
+                flags: 0,
+                commit_lsn: commit,
+                end_lsn: end,
+                commit_time: 0,
+            }),
+        ));
+        let (log, _) =
+            Log::open(SimStorage::new(7), "/log", crate::log::LogConfig::default()).expect("open");
+        log.register_consumer(capture::SOURCE_ACK)
+            .expect("register");
+        let mut stream = Scripted {
+            queue,
+            durable: Lsn::ZERO,
+            exhausted: Rc::new(Cell::new(false)),
         };
+        let mut assembler = assembler(
+            &config(),
+            512,
+            "trellara-sim-capture-chunk-by-chunk",
+            std::collections::HashMap::new(),
+        );
+        // What a reader beside capture sees of the log as it grows.
+        let seen = Rc::new(std::cell::RefCell::new(Vec::new()));
+        let watch = {
+            let (log, seen) = (&log, seen.clone());
+            async move {
+                let mut moved = log.subscribe();
+                loop {
+                    seen.borrow_mut().push(log.written_end());
+                    if moved.changed().await.is_err() {
+                        return;
+                    }
+                }
+            }
+        };
+        let stopped = capture_script(&log, &mut stream, &mut assembler, watch);
+        assert!(matches!(stopped, Ok(true)), "{stopped:?}");
+        let chunks = log.next_offset();
+        assert!(chunks > 10, "a run of chunks: {chunks}");
+        let seen = seen.borrow();
+        let partial: std::collections::BTreeSet<u64> = seen
+            .iter()
+            .copied()
+            .filter(|&w| w > 0 && w < chunks)
+            .collect();
+        assert!(
+            partial.len() as u64 >= chunks / 2,
+            "the reader saw the run grow one chunk at a time, not at once: {seen:?}"
+        );
+        assert_eq!(
+            stream.durable(),
+            Lsn(end),
+            "acknowledged after the last chunk"
+        );
+    }
+
+    #[test]
+    fn pings_between_transactions_do_not_cost_an_fsync_each() {
         let mut queue = VecDeque::from([xlog(0x100, relation_message(None, false))]);
         let (mut pos, mut last_ping) = (0x1000u64, 0);
         for i in 0..100u32 {
@@ -1242,45 +1384,19 @@ mod tests {
             Log::open(SimStorage::new(7), "/log", crate::log::LogConfig::default()).expect("open");
         log.register_consumer(capture::SOURCE_ACK)
             .expect("register");
-        let exhausted = Rc::new(Cell::new(false));
         let mut stream = Scripted {
             queue,
             durable: Lsn::ZERO,
-            exhausted: exhausted.clone(),
+            exhausted: Rc::new(Cell::new(false)),
         };
-        let config = config();
         let mut assembler = assembler(
-            &config,
+            &config(),
             1 << 20,
             "trellara-sim-capture-pings",
             std::collections::HashMap::new(),
         );
         let fsyncs_before = log.stats().fsyncs;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .start_paused(true)
-            .build()
-            .expect("runtime");
-        let stopped = runtime.block_on(async {
-            use futures_util::FutureExt;
-            let shutdown = async move {
-                while !exhausted.get() {
-                    tokio::task::yield_now().await;
-                }
-            };
-            let shutdown = std::pin::pin!(shutdown.fuse());
-            capture::stream_changes(
-                &config,
-                &log,
-                &mut stream,
-                &mut assembler,
-                capture::read_resume(&log).expect("resume"),
-                &mut CaptureStats::default(),
-                shutdown,
-                &CrashOnce::never(),
-            )
-            .await
-        });
+        let stopped = capture_script(&log, &mut stream, &mut assembler, std::future::pending());
         assert!(matches!(stopped, Ok(true)), "{stopped:?}");
         assert_eq!(log.next_offset(), 100, "every transaction is in the log");
         let fsyncs = log.stats().fsyncs - fsyncs_before;
