@@ -198,6 +198,16 @@ impl Assembler {
         !matches!(self.open, Open::None) || !self.streams.is_empty() || self.finishing.is_some()
     }
 
+    /// Changes held so far by the transaction data messages go to now (0
+    /// outside one).
+    pub fn open_changes(&self) -> u64 {
+        match &self.open {
+            Open::None => 0,
+            Open::Plain(txn) => txn.spool.records(),
+            Open::Stream(xid) => self.streams.get(xid).map_or(0, |t| t.spool.records()),
+        }
+    }
+
     /// Feeds one message; `wal_start` is its XLogData start position.
     /// A commit hands its transaction's first envelope to `emit`; the rest
     /// of a chunk run follows through [`emit_next`](Self::emit_next), or

@@ -12,8 +12,10 @@ use postgres_protocol::message::backend::{ErrorResponseBody, Header, Message};
 use postgres_protocol::message::frontend;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 /// Session settings for text that round-trips exactly: ISO dates,
 /// postgres intervals, shortest exact floats, times in UTC (so every
@@ -87,6 +89,7 @@ pub struct Connection {
     pub(crate) io: Box<dyn Io>,
     pub(crate) rbuf: BytesMut,
     pub(crate) wbuf: BytesMut,
+    reads: Reads,
     backend_pid: i32,
     parameters: HashMap<String, String>,
     options: ConnectOptions,
@@ -122,6 +125,7 @@ impl Connection {
             io,
             rbuf: BytesMut::with_capacity(64 * 1024),
             wbuf: BytesMut::new(),
+            reads: Reads::default(),
             backend_pid: 0,
             parameters: HashMap::new(),
             options: options.clone(),
@@ -347,17 +351,66 @@ impl Connection {
         }
     }
 
-    /// Reads until one whole message is buffered. Cancel-safe.
+    /// Reads until one whole message is buffered. Cancel-safe (a paced
+    /// read cancelled in its wait has read nothing).
     pub(crate) async fn read(&mut self) -> Result<Backend, WireError> {
         loop {
             if let Some(message) = self.parse()? {
                 return Ok(message);
             }
-            if self.io.read_buf(&mut self.rbuf).await? == 0 {
+            let mut room = 0;
+            if let Some(every) = self.reads.pace {
+                if let Some(wait) = self
+                    .reads
+                    .drained_at
+                    .and_then(|at| every.checked_sub(at.elapsed()))
+                {
+                    tokio::time::sleep(wait).await;
+                }
+                self.rbuf.reserve(PACED_READ_BYTES);
+                room = self.rbuf.capacity() - self.rbuf.len();
+            }
+            let n = self.io.read_buf(&mut self.rbuf).await?;
+            if n == 0 {
                 return Err(WireError::Closed);
             }
+            self.reads.count += 1;
+            // Less than there was room for: the socket is empty, and the
+            // next read waits its turn. A full read goes on at once, so
+            // pacing never caps the rate.
+            self.reads.drained_at = (n < room).then(Instant::now);
         }
     }
+
+    /// Reads the socket at most once per `every` while it keeps running dry
+    /// (`None`: on every arrival, the default). Messages already buffered
+    /// still come at once. For a stream whose messages are of no use until
+    /// a later one (the rows of an uncommitted transaction): each wake-up
+    /// then takes many messages, and the sender is spared a wake-up of this
+    /// process per message it sends.
+    pub fn pace_reads(&mut self, every: Option<Duration>) {
+        self.reads.pace = every;
+        if every.is_none() {
+            self.reads.drained_at = None;
+        }
+    }
+
+    /// Socket reads so far (each may take many messages).
+    pub fn socket_reads(&self) -> u64 {
+        self.reads.count
+    }
+}
+
+/// Room one paced read may fill.
+const PACED_READ_BYTES: usize = 1 << 20;
+
+/// How the socket is read; see [`Connection::pace_reads`].
+#[derive(Debug, Default)]
+struct Reads {
+    pace: Option<Duration>,
+    /// When a read last found the socket empty (paced only).
+    drained_at: Option<Instant>,
+    count: u64,
 }
 
 /// "17.9 (Debian ...)" or "18devel" -> 170009 / 180000.
@@ -374,6 +427,102 @@ fn parse_server_version(v: &str) -> Option<u32> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use postgres_protocol::message::backend::Message;
+    use tokio::io::AsyncWriteExt;
+
+    /// A connection reading `io`, as if after startup.
+    fn connection(io: tokio::io::DuplexStream) -> Connection {
+        Connection {
+            io: Box::new(io),
+            rbuf: BytesMut::new(),
+            wbuf: BytesMut::new(),
+            reads: Reads::default(),
+            backend_pid: 0,
+            parameters: HashMap::new(),
+            options: ConnectOptions {
+                host: "test".into(),
+                port: 0,
+                user: "test".into(),
+                password: None,
+                dbname: "test".into(),
+                application_name: "test".into(),
+                ssl_mode: crate::config::SslMode::Disable,
+                ssl_root_cert: None,
+                connect_timeout: Duration::from_secs(1),
+                replication: true,
+            },
+        }
+    }
+
+    fn copy_data(i: u32, len: usize) -> Vec<u8> {
+        let mut m = vec![b'd'];
+        m.extend_from_slice(&(4 + len as u32).to_be_bytes());
+        m.extend_from_slice(&i.to_be_bytes());
+        m.resize(5 + len, b'x');
+        m
+    }
+
+    /// Reads `n` CopyData messages and checks they come in order.
+    async fn read_in_order(conn: &mut Connection, n: u32) {
+        for i in 0..n {
+            match conn.read().await.expect("read") {
+                Backend::Message(Message::CopyData(body)) => {
+                    assert_eq!(body.data()[..4], i.to_be_bytes(), "message {i} in order");
+                }
+                _ => panic!("message {i} is not CopyData"),
+            }
+        }
+    }
+
+    /// Messages trickling in one per millisecond: read on every arrival by
+    /// default, in a few batches when paced, none lost or reordered.
+    #[tokio::test(start_paused = true)]
+    async fn paced_reads_take_a_trickle_in_batches() {
+        for pace in [None, Some(Duration::from_millis(20))] {
+            let (client, mut server) = tokio::io::duplex(1 << 20);
+            let writer = tokio::spawn(async move {
+                for i in 0..200 {
+                    server.write_all(&copy_data(i, 60)).await.expect("write");
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                server
+            });
+            let mut conn = connection(client);
+            conn.pace_reads(pace);
+            read_in_order(&mut conn, 200).await;
+            let reads = conn.socket_reads();
+            match pace {
+                None => assert!(reads >= 150, "{reads} reads unpaced"),
+                Some(_) => assert!(reads <= 15, "{reads} reads for 200 ms paced at 20 ms"),
+            }
+            drop(writer.await);
+        }
+    }
+
+    /// More waiting than one read takes: paced reads go on without a pause,
+    /// so pacing never caps the rate.
+    #[tokio::test(start_paused = true)]
+    async fn paced_reads_do_not_pause_while_data_waits() {
+        let (client, mut server) = tokio::io::duplex(8 << 20);
+        let burst: Vec<u8> = (0..4096).flat_map(|i| copy_data(i, 1000)).collect();
+        server.write_all(&burst).await.expect("write");
+        let mut conn = connection(client);
+        conn.pace_reads(Some(Duration::from_millis(50)));
+        let started = Instant::now();
+        read_in_order(&mut conn, 4096).await;
+        assert!(
+            started.elapsed() < Duration::from_millis(50),
+            "4 MiB waiting took {:?}",
+            started.elapsed()
+        );
+        assert!(
+            conn.socket_reads() >= 2,
+            "several reads: {}",
+            conn.socket_reads()
+        );
+    }
+
     #[test]
     fn server_versions() {
         assert_eq!(super::parse_server_version("17.9"), Some(170009));

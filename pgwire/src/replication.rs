@@ -348,4 +348,9 @@ impl ReplicationStream {
     pub fn backend_pid(&self) -> i32 {
         self.conn.backend_pid()
     }
+
+    /// See [`Connection::pace_reads`].
+    pub fn pace_reads(&mut self, every: Option<std::time::Duration>) {
+        self.conn.pace_reads(every);
+    }
 }

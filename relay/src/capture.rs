@@ -409,6 +409,11 @@ pub trait SourceStream {
     fn durable(&self) -> Lsn;
     fn status_due(&self, every: Duration) -> bool;
     async fn send_status(&mut self) -> Result<(), WireError>;
+    /// Reads at most once per `every` while the source runs dry (`None`:
+    /// at once). Only an optimisation; a source may ignore it.
+    fn pace_reads(&mut self, every: Option<Duration>) {
+        let _ = every;
+    }
 }
 
 impl SourceStream for ReplicationStream {
@@ -426,6 +431,9 @@ impl SourceStream for ReplicationStream {
     }
     async fn send_status(&mut self) -> Result<(), WireError> {
         ReplicationStream::send_status(self).await
+    }
+    fn pace_reads(&mut self, every: Option<Duration>) {
+        ReplicationStream::pace_reads(self, every);
     }
 }
 
@@ -475,6 +483,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
         std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), crate::log::Error>> + 'a>>,
     );
     let mut syncing: Option<Syncing<'_>> = None;
+    let mut paced = false;
     tracing::info!(slot = %config.slot, from = %resume.ack_lsn, "streaming");
     loop {
         if let Some((end, wait)) = &mut syncing
@@ -514,6 +523,17 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
             batch.write(log, stream, stats)?;
             tokio::task::yield_now().await;
             continue;
+        }
+        // Inside a large transaction nothing can be applied before its
+        // commit: read the socket in batches. Waking per arriving message
+        // costs both ends (perf, 1M-row transaction: 69% of this process's
+        // time in the kernel, 21% in task switches; the walsender 84% in
+        // the kernel, sending and waking us per message); the end of the
+        // transaction costs at most one pace more.
+        let large = assembler.open_changes() >= LARGE_TRANSACTION_CHANGES;
+        if large != paced {
+            stream.pace_reads(large.then_some(READ_PACE));
+            paced = large;
         }
         let event = if batch.records.is_empty() {
             let synced = async {
@@ -603,6 +623,11 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
         }
     }
 }
+
+/// Inside a transaction this large, the socket is read in batches...
+const LARGE_TRANSACTION_CHANGES: u64 = 4096;
+/// ...at most once per this while it runs dry.
+const READ_PACE: Duration = Duration::from_millis(5);
 
 /// Appends gathered in one write.
 const BATCH_BYTES: usize = 8 << 20;

@@ -1168,6 +1168,8 @@ mod tests {
         queue: VecDeque<ReplicationEvent>,
         durable: Lsn,
         exhausted: Rc<Cell<bool>>,
+        /// Each pacing change, with how many events were still to come.
+        paces: Vec<(usize, Option<Duration>)>,
     }
 
     impl SourceStream for Scripted {
@@ -1191,6 +1193,9 @@ mod tests {
         }
         async fn send_status(&mut self) -> Result<(), WireError> {
             Ok(())
+        }
+        fn pace_reads(&mut self, every: Option<Duration>) {
+            self.paces.push((self.queue.len(), every));
         }
     }
 
@@ -1296,6 +1301,7 @@ mod tests {
             queue,
             durable: Lsn::ZERO,
             exhausted: Rc::new(Cell::new(false)),
+            paces: Vec::new(),
         };
         let mut assembler = assembler(
             &config(),
@@ -1335,6 +1341,80 @@ mod tests {
             stream.durable(),
             Lsn(end),
             "acknowledged after the last chunk"
+        );
+    }
+
+    /// The socket is read in batches only inside a large transaction, and
+    /// at once again from its commit on.
+    #[test]
+    fn reads_are_paced_inside_a_large_transaction_only() {
+        let insert = |i: u32| {
+            Message::Insert(pg::Insert {
+                xid: None,
+                relation: OID,
+                new: vec![
+                    text_column(&i.to_string()),
+                    text_column("n"),
+                    text_column("d"),
+                ],
+            })
+        };
+        let txn = |queue: &mut VecDeque<ReplicationEvent>, xid: u32, at: u64, rows: u32| {
+            queue.push_back(xlog(
+                at,
+                Message::Begin(pg::Begin {
+                    final_lsn: at + 0x10_0000,
+                    commit_time: 0,
+                    xid,
+                }),
+            ));
+            for i in 0..rows {
+                queue.push_back(xlog(at + 0x10 + u64::from(i), insert(i)));
+            }
+            queue.push_back(xlog(
+                at + 0x10_0000,
+                Message::Commit(pg::Commit {
+                    flags: 0,
+                    commit_lsn: at + 0x10_0000,
+                    end_lsn: at + 0x10_0028,
+                    commit_time: 0,
+                }),
+            ));
+        };
+        let mut queue = VecDeque::from([xlog(0x100, relation_message(None, false))]);
+        txn(&mut queue, 800, 0x1000, 10);
+        txn(&mut queue, 801, 0x20_0000, 5000);
+        txn(&mut queue, 802, 0x40_0000, 10);
+        let (log, _) =
+            Log::open(SimStorage::new(7), "/log", crate::log::LogConfig::default()).expect("open");
+        log.register_consumer(capture::SOURCE_ACK)
+            .expect("register");
+        let mut stream = Scripted {
+            queue,
+            durable: Lsn::ZERO,
+            exhausted: Rc::new(Cell::new(false)),
+            paces: Vec::new(),
+        };
+        let mut assembler = assembler(
+            &config(),
+            1 << 20,
+            "trellara-sim-capture-paced",
+            std::collections::HashMap::new(),
+        );
+        let stopped = capture_script(&log, &mut stream, &mut assembler, std::future::pending());
+        assert!(matches!(stopped, Ok(true)), "{stopped:?}");
+        // Paced once 801 holds 4096 rows (904 rows, its Commit and 802's 12
+        // events still to come), at once again after its Commit.
+        let pace = Some(Duration::from_millis(5));
+        assert_eq!(
+            stream.paces,
+            [(904 + 1 + 12, pace), (12, None)],
+            "paced within 801 only"
+        );
+        assert_eq!(
+            stream.durable(),
+            Lsn(0x40_0000 + 0x10_0028),
+            "all three acknowledged"
         );
     }
 
@@ -1388,6 +1468,7 @@ mod tests {
             queue,
             durable: Lsn::ZERO,
             exhausted: Rc::new(Cell::new(false)),
+            paces: Vec::new(),
         };
         let mut assembler = assembler(
             &config(),
