@@ -216,6 +216,28 @@ pub fn decode(bytes: &[u8]) -> Result<Envelope, EnvelopeError> {
 /// Checks every rule of envelope v1 except the checksum (which only exists
 /// on the wire).
 pub fn validate(envelope: &Envelope) -> Result<(), EnvelopeError> {
+    let relations = validate_frame(envelope, envelope.changes.len() as u64)?;
+    let first = envelope.boundary.as_ref().map_or(0, |b| b.first_sequence);
+    for (index, change) in envelope.changes.iter().enumerate() {
+        let expected = first + index as u64;
+        if change.sequence != expected {
+            return Err(EnvelopeError::OutOfSequence {
+                index,
+                expected,
+                found: change.sequence,
+            });
+        }
+        validate_change(change, |id| relations.get(&id).map(|r| r.columns.len()))?;
+    }
+    Ok(())
+}
+
+/// Every rule but those of the changes, for an envelope that will hold
+/// `held` changes; returns its relations by id.
+fn validate_frame(
+    envelope: &Envelope,
+    held: u64,
+) -> Result<HashMap<u32, &RelationSchema>, EnvelopeError> {
     use EnvelopeError as E;
     if envelope.protocol_version != PROTOCOL_VERSION {
         return Err(E::UnknownVersion(envelope.protocol_version));
@@ -268,7 +290,7 @@ pub fn validate(envelope: &Envelope) -> Result<(), EnvelopeError> {
         .boundary
         .as_ref()
         .ok_or(E::MissingField("boundary"))?;
-    validate_boundary(boundary, envelope.changes.len() as u64)?;
+    validate_boundary(boundary, held)?;
 
     let mut relations = HashMap::with_capacity(envelope.relations.len());
     for relation in &envelope.relations {
@@ -292,37 +314,115 @@ pub fn validate(envelope: &Envelope) -> Result<(), EnvelopeError> {
             });
         }
     }
+    Ok(relations)
+}
 
-    for (index, change) in envelope.changes.iter().enumerate() {
-        let expected = boundary.first_sequence + index as u64;
-        if change.sequence != expected {
-            return Err(E::OutOfSequence {
-                index,
-                expected,
-                found: change.sequence,
+/// The rules of one change (its sequence aside); `width` gives the column
+/// count of a relation the envelope carries, `None` for one it does not.
+pub fn validate_change(
+    change: &Change,
+    width: impl Fn(u32) -> Option<usize>,
+) -> Result<(), EnvelopeError> {
+    use EnvelopeError as E;
+    let sequence = change.sequence;
+    match &change.body {
+        None => Err(E::EmptyChange { sequence }),
+        Some(change::Body::Row(row)) => {
+            let width = width(row.relation_id).ok_or(E::UnknownRelation {
+                sequence,
+                relation_id: row.relation_id,
+            })?;
+            validate_row(sequence, row, width)
+        }
+        Some(change::Body::Ddl(ddl)) => {
+            if matches!(DdlKind::try_from(ddl.kind), Ok(k) if k != DdlKind::Unspecified) {
+                Ok(())
+            } else {
+                Err(E::UnknownDdlKind {
+                    sequence,
+                    kind: ddl.kind,
+                })
+            }
+        }
+        Some(change::Body::Message(_)) => Ok(()),
+    }
+}
+
+/// Builds an envelope's bytes from its changes already encoded, one
+/// `Change` each (their sequences set): the same bytes [`encode`] writes
+/// for the whole envelope, without decoding and re-encoding every change.
+/// The frame (every rule but those of the changes) is validated up front;
+/// each change must have passed [`validate_change`] when it was encoded,
+/// and [`RawEnvelope::finish`] checks that `held` of them came.
+#[derive(Debug)]
+pub struct RawEnvelope {
+    buf: Vec<u8>,
+    tail: Vec<u8>,
+    held: u64,
+    pushed: u64,
+    next_sequence: u64,
+}
+
+impl RawEnvelope {
+    /// `frame` holds every field but `changes`; `held` is how many follow.
+    pub fn new(frame: &Envelope, held: u64) -> Result<RawEnvelope, EnvelopeError> {
+        validate_frame(frame, held)?;
+        // prost writes fields in tag order: 1-8 precede `changes` (9),
+        // 10-12 follow it.
+        let head = Envelope {
+            boundary: None,
+            origin: String::new(),
+            capture: None,
+            changes: Vec::new(),
+            checksum: 0,
+            ..frame.clone()
+        };
+        let tail = Envelope {
+            boundary: frame.boundary.clone(),
+            origin: frame.origin.clone(),
+            capture: frame.capture.clone(),
+            ..Envelope::default()
+        };
+        Ok(RawEnvelope {
+            buf: head.encode_to_vec(),
+            tail: tail.encode_to_vec(),
+            held,
+            pushed: 0,
+            next_sequence: frame.boundary.as_ref().map_or(0, |b| b.first_sequence),
+        })
+    }
+
+    /// Appends one encoded `Change`, whose sequence is `sequence`.
+    pub fn push(&mut self, sequence: u64, change: &[u8]) -> Result<(), EnvelopeError> {
+        if sequence != self.next_sequence {
+            return Err(EnvelopeError::OutOfSequence {
+                index: self.pushed as usize,
+                expected: self.next_sequence,
+                found: sequence,
             });
         }
-        match &change.body {
-            None => return Err(E::EmptyChange { sequence: expected }),
-            Some(change::Body::Row(row)) => {
-                let relation = relations.get(&row.relation_id).ok_or(E::UnknownRelation {
-                    sequence: expected,
-                    relation_id: row.relation_id,
-                })?;
-                validate_row(expected, row, relation.columns.len())?;
-            }
-            Some(change::Body::Ddl(ddl)) => {
-                if !matches!(DdlKind::try_from(ddl.kind), Ok(k) if k != DdlKind::Unspecified) {
-                    return Err(E::UnknownDdlKind {
-                        sequence: expected,
-                        kind: ddl.kind,
-                    });
-                }
-            }
-            Some(change::Body::Message(_)) => {}
-        }
+        prost::encoding::encode_key(9, prost::encoding::WireType::LengthDelimited, &mut self.buf);
+        prost::encoding::encode_varint(change.len() as u64, &mut self.buf);
+        self.buf.extend_from_slice(change);
+        self.pushed += 1;
+        self.next_sequence += 1;
+        Ok(())
     }
-    Ok(())
+
+    /// The envelope's bytes, checksum last.
+    pub fn finish(mut self) -> Result<Vec<u8>, EnvelopeError> {
+        if self.pushed != self.held {
+            return Err(EnvelopeError::ManifestCountMismatch {
+                held: self.pushed,
+                total_changes: self.held,
+            });
+        }
+        self.buf.extend_from_slice(&self.tail);
+        let checksum = xxh3_64(&self.buf);
+        self.buf.push(CHECKSUM_KEY);
+        self.buf.extend_from_slice(&checksum.to_le_bytes());
+        Ok(self.buf)
+    }
 }
 
 fn validate_boundary(boundary: &Boundary, held: u64) -> Result<(), EnvelopeError> {

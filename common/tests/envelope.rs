@@ -9,8 +9,8 @@ use proptest::prelude::*;
 use prost::Message;
 use std::path::PathBuf;
 use trellara_common::envelope::{
-    BeforeImage, Envelope, EnvelopeError, Operation, boundary, change, decode, encode, validate,
-    value,
+    BeforeImage, Envelope, EnvelopeError, Operation, RawEnvelope, boundary, change, decode, encode,
+    validate, validate_change, value,
 };
 use trellara_common::sample;
 
@@ -27,6 +27,75 @@ fn round_trip_preserves_every_field() {
         decoded.checksum = 0;
         assert_eq!(decoded, original);
     }
+}
+
+/// Changes encoded one by one and framed raw give exactly the bytes of the
+/// whole envelope encoded at once.
+#[test]
+fn an_envelope_framed_from_encoded_changes_is_the_same_bytes() {
+    for original in [
+        sample::mixed_transaction(),
+        sample::partitioned_chunk(),
+        sample::insert_transaction(50, 100),
+    ] {
+        let frame = Envelope {
+            changes: Vec::new(),
+            ..original.clone()
+        };
+        let mut raw = RawEnvelope::new(&frame, original.changes.len() as u64).expect("frame");
+        for change in &original.changes {
+            let width = |id| {
+                original
+                    .relations
+                    .iter()
+                    .find(|r| r.relation_id == id)
+                    .map(|r| r.columns.len())
+            };
+            validate_change(change, width).expect("valid change");
+            raw.push(change.sequence, &change.encode_to_vec())
+                .expect("in sequence");
+        }
+        assert_eq!(
+            raw.finish().expect("all held"),
+            encode(&original).expect("valid")
+        );
+    }
+    let original = sample::insert_transaction(3, 4);
+    let frame = Envelope {
+        changes: Vec::new(),
+        ..original.clone()
+    };
+    let encoded: Vec<Vec<u8>> = original.changes.iter().map(|c| c.encode_to_vec()).collect();
+    let mut short = RawEnvelope::new(&frame, 3).expect("frame");
+    short.push(0, &encoded[0]).expect("first");
+    assert!(
+        matches!(
+            short.push(2, &encoded[2]),
+            Err(EnvelopeError::OutOfSequence {
+                expected: 1,
+                found: 2,
+                ..
+            })
+        ),
+        "a gap in sequence is refused"
+    );
+    assert!(
+        matches!(
+            short.finish(),
+            Err(EnvelopeError::ManifestCountMismatch {
+                held: 1,
+                total_changes: 3
+            })
+        ),
+        "fewer changes than framed are refused"
+    );
+    assert!(
+        matches!(
+            RawEnvelope::new(&frame, 2),
+            Err(EnvelopeError::ManifestCountMismatch { .. })
+        ),
+        "the frame is validated against the count it will hold"
+    );
 }
 
 #[test]

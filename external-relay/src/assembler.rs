@@ -119,6 +119,18 @@ struct Txn {
     relations: BTreeMap<u32, RelationSchema>,
     /// Where each subtransaction's first change starts (streamed only).
     subxacts: HashMap<u32, Mark>,
+    /// Its chunks, planned as changes come: at commit each is framed from
+    /// the spooled bytes as they are.
+    chunks: Vec<PlannedChunk>,
+    /// Envelope bytes the last chunk's changes take so far.
+    chunk_bytes: usize,
+}
+
+/// Where a chunk starts, and the relations its rows use.
+#[derive(Debug, Clone)]
+struct PlannedChunk {
+    start: Mark,
+    relations: Vec<u32>,
 }
 
 impl Txn {
@@ -130,7 +142,48 @@ impl Txn {
             spool: Spool::new(budget),
             relations: BTreeMap::new(),
             subxacts: HashMap::new(),
+            chunks: vec![PlannedChunk {
+                start: Mark::default(),
+                relations: Vec::new(),
+            }],
+            chunk_bytes: 0,
         }
+    }
+
+    /// Plans the change about to be spooled (`len` encoded bytes, a row of
+    /// `relation` or none): a chunk ends before a change that would take
+    /// it past `limit`.
+    fn plan(&mut self, len: usize, relation: Option<u32>, limit: usize) {
+        let size = len + CHANGE_FRAMING_BOUND;
+        if self.chunk_bytes > 0 && self.chunk_bytes + size > limit {
+            self.chunks.push(PlannedChunk {
+                start: self.spool.mark(),
+                relations: Vec::new(),
+            });
+            self.chunk_bytes = 0;
+        }
+        self.chunk_bytes += size;
+        let chunk = self.chunks.last_mut().expect("a transaction has a chunk");
+        if let Some(id) = relation
+            && let Err(at) = chunk.relations.binary_search(&id)
+        {
+            chunk.relations.insert(at, id);
+        }
+    }
+
+    /// Forgets every change after `mark` (a subtransaction abort), and the
+    /// chunks that started after it. The last chunk kept may keep a relation
+    /// only the forgotten rows used: an extra schema, never a missing one.
+    fn truncate(&mut self, mark: Mark) -> std::io::Result<()> {
+        self.spool.truncate(mark)?;
+        self.chunks
+            .retain(|c| c.start.records == 0 || c.start.records < mark.records);
+        let last = self.chunks.last().expect("a transaction has a chunk").start;
+        // Spooled records carry a 4-byte length; planned ones the framing
+        // bound.
+        self.chunk_bytes = (mark.bytes - last.bytes) as usize
+            + (mark.records - last.records) as usize * (CHANGE_FRAMING_BOUND - 4);
+        Ok(())
     }
 }
 
@@ -138,7 +191,7 @@ impl Txn {
 #[derive(Debug)]
 enum Open {
     None,
-    Plain(Txn),
+    Plain(Box<Txn>),
     Stream(u32),
 }
 
@@ -216,7 +269,7 @@ impl Assembler {
         &mut self,
         message: Message,
         wal_start: u64,
-        emit: &mut dyn FnMut(Envelope) -> Result<(), E>,
+        emit: &mut dyn FnMut(Assembled) -> Result<(), E>,
     ) -> Result<(), AssembleOrSink<E>> {
         while self.emit_next(emit)? {}
         match message {
@@ -227,14 +280,18 @@ impl Assembler {
                 } else {
                     begin.final_lsn
                 };
-                self.open = Open::Plain(Txn::new(begin.xid, first, self.config.memory_budget));
+                self.open = Open::Plain(Box::new(Txn::new(
+                    begin.xid,
+                    first,
+                    self.config.memory_budget,
+                )));
             }
             Message::Commit(commit) => {
                 let Open::Plain(txn) = std::mem::replace(&mut self.open, Open::None) else {
                     return Err(AssemblyError::OutsideTransaction { message: "Commit" }.into());
                 };
                 self.finish(
-                    txn,
+                    *txn,
                     commit.commit_lsn,
                     commit.end_lsn,
                     commit.commit_time,
@@ -281,12 +338,10 @@ impl Assembler {
                 } else if let Some(txn) = self.streams.get_mut(&abort.xid)
                     && let Some(mark) = txn.subxacts.get(&abort.subxid).copied()
                 {
-                    txn.spool
-                        .truncate(mark)
-                        .map_err(|source| AssemblyError::Spill {
-                            xid: abort.xid,
-                            source,
-                        })?;
+                    txn.truncate(mark).map_err(|source| AssemblyError::Spill {
+                        xid: abort.xid,
+                        source,
+                    })?;
                     // Subtransactions that started after the aborted one
                     // went with it.
                     txn.subxacts.retain(|_, m| m.bytes < mark.bytes);
@@ -494,25 +549,38 @@ impl Assembler {
         message: &'static str,
     ) -> Result<(), AssemblyError> {
         let spill_dir = self.config.spill_dir.clone();
+        let limit = self.config.chunk_bytes;
         let txn = self
             .current()
             .ok_or(AssemblyError::OutsideTransaction { message })?;
+        let xid = txn.xid;
         if let Some(sub) = subxid {
             let mark = txn.spool.mark();
             txn.subxacts.entry(sub).or_insert(mark);
         }
+        // Its place in the transaction is final: a subtransaction abort
+        // only ever forgets a suffix.
+        let change = Change {
+            sequence: txn.spool.records(),
+            body: Some(body),
+        };
+        let width = relation.as_ref().map(|r| (r.relation_id, r.columns.len()));
+        envelope::validate_change(&change, |id| {
+            width.filter(|(known, _)| *known == id).map(|(_, w)| w)
+        })
+        .map_err(|source| AssemblyError::Invalid { xid, source })?;
+        let row_relation = match &change.body {
+            Some(change::Body::Row(row)) => Some(row.relation_id),
+            _ => None,
+        };
         if let Some(relation) = relation {
             txn.relations
                 .entry(relation.relation_id)
                 .or_insert(relation);
         }
-        let encoded = Change {
-            sequence: 0,
-            body: Some(body),
-        }
-        .encode_to_vec();
+        let encoded = change.encode_to_vec();
+        txn.plan(encoded.len(), row_relation, limit);
         let was_spilled = txn.spool.is_spilled();
-        let xid = txn.xid;
         txn.spool
             .push(&encoded, &spill_dir)
             .map_err(|source| AssemblyError::Spill { xid, source })?;
@@ -524,41 +592,25 @@ impl Assembler {
     }
 
     /// Starts handing out the committed transaction, as one whole envelope
-    /// or a run of chunks of at most `chunk_bytes` of changes each, and
-    /// emits its first; [`emit_next`](Self::emit_next) emits the rest.
+    /// or its planned run of chunks, and emits the first;
+    /// [`emit_next`](Self::emit_next) emits the rest.
     fn finish<E>(
         &mut self,
         mut txn: Txn,
         commit_lsn: u64,
         end_lsn: u64,
         commit_time: i64,
-        emit: &mut dyn FnMut(Envelope) -> Result<(), E>,
+        emit: &mut dyn FnMut(Assembled) -> Result<(), E>,
     ) -> Result<(), AssembleOrSink<E>> {
         let xid = txn.xid;
-        let spill = |source| AssemblyError::Spill { xid, source };
         let total = txn.spool.records();
         self.stats.peak_memory = self.stats.peak_memory.max(txn.spool.peak_memory());
-        // Pass 1: where chunks start, from record sizes alone.
-        let mut chunk_starts = vec![0u64];
-        {
-            let mut reader = txn.spool.reader().map_err(spill)?;
-            let (mut index, mut bytes) = (0u64, 0usize);
-            while let Some(record) = reader.next_record().map_err(spill)? {
-                let size = record.len() + CHANGE_FRAMING_BOUND;
-                if bytes > 0 && bytes + size > self.config.chunk_bytes {
-                    chunk_starts.push(index);
-                    bytes = 0;
-                }
-                bytes += size;
-                index += 1;
-            }
-        }
         let begin_lsn = if txn.begin_lsn != 0 && txn.begin_lsn <= commit_lsn {
             txn.begin_lsn
         } else {
             commit_lsn
         };
-        let template = Envelope {
+        let frame = Envelope {
             protocol_version: PROTOCOL_VERSION,
             source: Some(self.config.source.clone()),
             xid: u64::from(xid),
@@ -578,15 +630,18 @@ impl Assembler {
             }),
             checksum: 0,
         };
-        // Pass 2, one chunk per call, so the caller can write each chunk
-        // (and let the applier take it) before the next is built.
+        // One chunk per call, so the caller can write each (and let the
+        // applier take it) before the next is built.
         self.finishing = Some(Finishing {
-            template,
+            frame,
             relations: std::mem::take(&mut txn.relations),
-            chunk_starts,
+            chunks: std::mem::take(&mut txn.chunks),
             next_chunk: 0,
             total,
-            reader: txn.spool.into_reader().map_err(spill)?,
+            reader: txn
+                .spool
+                .into_reader()
+                .map_err(|source| AssemblyError::Spill { xid, source })?,
         });
         self.emit_next(emit)?;
         Ok(())
@@ -597,48 +652,34 @@ impl Assembler {
     /// them all first, so none is ever skipped.
     pub fn emit_next<E>(
         &mut self,
-        emit: &mut dyn FnMut(Envelope) -> Result<(), E>,
+        emit: &mut dyn FnMut(Assembled) -> Result<(), E>,
     ) -> Result<bool, AssembleOrSink<E>> {
         let Some(f) = &mut self.finishing else {
             return Ok(false);
         };
-        let xid = f.template.xid as u32;
+        let xid = f.frame.xid as u32;
         let spill = |source| AssemblyError::Spill { xid, source };
-        let chunk_count = f.chunk_starts.len() as u32;
+        let invalid = |source| AssemblyError::Invalid { xid, source };
+        let chunk_count = f.chunks.len() as u32;
         let chunk_index = f.next_chunk;
-        let first_sequence = f.chunk_starts[chunk_index];
+        let chunk = &f.chunks[chunk_index];
+        let first_sequence = chunk.start.records;
         let end = f
-            .chunk_starts
+            .chunks
             .get(chunk_index + 1)
-            .copied()
-            .unwrap_or(f.total);
-        let mut changes = Vec::with_capacity((end - first_sequence) as usize);
-        let mut used = BTreeMap::new();
-        for sequence in first_sequence..end {
-            let Some(record) = f.reader.next_record().map_err(spill)? else {
-                break;
-            };
-            let mut change =
-                Change::decode(record).map_err(|source| AssemblyError::Respool { xid, source })?;
-            change.sequence = sequence;
-            if let Some(change::Body::Row(row)) = &change.body
-                && let Some(schema) = f.relations.get(&row.relation_id)
-            {
-                used.entry(row.relation_id)
-                    .or_insert_with(|| schema.clone());
-            }
-            changes.push(change);
-        }
-        let mode = if chunk_count == 1 {
-            boundary::Mode::Whole
-        } else {
-            boundary::Mode::Chunked
-        };
-        let mut envelope = f.template.clone();
-        envelope.relations = used.into_values().collect();
-        envelope.changes = changes;
-        envelope.boundary = Some(Boundary {
-            mode: mode as i32,
+            .map_or(f.total, |next| next.start.records);
+        let mut frame = f.frame.clone();
+        frame.relations = chunk
+            .relations
+            .iter()
+            .filter_map(|id| f.relations.get(id).cloned())
+            .collect();
+        frame.boundary = Some(Boundary {
+            mode: if chunk_count == 1 {
+                boundary::Mode::Whole
+            } else {
+                boundary::Mode::Chunked
+            } as i32,
             chunk_index: chunk_index as u32,
             chunk_count,
             first_sequence,
@@ -646,13 +687,33 @@ impl Assembler {
             partition: 0,
             manifest_partitions: Vec::new(),
         });
-        if let Some(capture) = &mut envelope.capture {
+        if let Some(capture) = &mut frame.capture {
             capture.captured_at_micros = now_micros();
         }
+        let mut raw = envelope::RawEnvelope::new(&frame, end - first_sequence).map_err(invalid)?;
+        for sequence in first_sequence..end {
+            let Some(record) = f.reader.next_record().map_err(spill)? else {
+                break;
+            };
+            raw.push(sequence, record).map_err(invalid)?;
+        }
+        let bytes = raw.finish().map_err(invalid)?;
+        // Each change was checked as it came and the frame just now; the
+        // whole is checked again wherever it is read. Tests check it here.
+        debug_assert!(
+            envelope::decode(&bytes).is_ok(),
+            "{:?}",
+            envelope::decode(&bytes)
+        );
         f.next_chunk += 1;
-        let more = f.next_chunk < f.chunk_starts.len();
-        envelope::validate(&envelope).map_err(|source| AssemblyError::Invalid { xid, source })?;
-        emit(envelope).map_err(AssembleOrSink::Sink)?;
+        let more = f.next_chunk < f.chunks.len();
+        emit(Assembled {
+            commit_lsn: frame.commit_lsn,
+            end_lsn: frame.end_lsn,
+            last: !more,
+            bytes,
+        })
+        .map_err(AssembleOrSink::Sink)?;
         self.stats.envelopes += 1;
         if !more {
             self.finishing = None;
@@ -670,14 +731,32 @@ impl Assembler {
 /// A committed transaction whose chunks are being handed out.
 #[derive(Debug)]
 struct Finishing {
-    /// Every header field; relations, changes and boundary are per chunk.
-    template: Envelope,
+    /// Every field but relations, changes and boundary, which are per chunk.
+    frame: Envelope,
     relations: BTreeMap<u32, RelationSchema>,
-    /// The sequence each chunk starts at.
-    chunk_starts: Vec<u64>,
+    chunks: Vec<PlannedChunk>,
     next_chunk: usize,
     total: u64,
-    reader: crate::spool::SpoolReader<'static>,
+    reader: crate::spool::SpoolReader,
+}
+
+/// One envelope, encoded (checksum included), with what its publisher
+/// needs to know of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assembled {
+    pub commit_lsn: u64,
+    pub end_lsn: u64,
+    /// The last envelope of its transaction: the source may move past
+    /// `end_lsn` once it is durable.
+    pub last: bool,
+    pub bytes: Vec<u8>,
+}
+
+impl Assembled {
+    /// Decodes (and validates) the envelope.
+    pub fn decode(&self) -> Result<Envelope, envelope::EnvelopeError> {
+        envelope::decode(&self.bytes)
+    }
 }
 
 /// Most bytes a spooled change grows by inside an envelope: its sequence

@@ -13,4 +13,6 @@ pub mod pgoutput;
 pub use trellara_pgwire as pgwire;
 mod spool;
 
-pub use assembler::{AssembleOrSink, Assembler, AssemblerConfig, AssemblerStats, AssemblyError};
+pub use assembler::{
+    AssembleOrSink, Assembled, Assembler, AssemblerConfig, AssemblerStats, AssemblyError,
+};

@@ -4,7 +4,7 @@
 //!
 //! Records are length-prefixed (u32 LE). The spool supports what the
 //! assembler needs and nothing else: append, truncate back to an earlier
-//! mark (a subtransaction abort), and one sequential read per pass at
+//! mark (a subtransaction abort), and one sequential read at
 //! commit. Spill files are scratch and never fsynced: a crash loses the
 //! transaction, which the source re-sends because it was never acknowledged.
 
@@ -120,34 +120,17 @@ impl Spool {
         Ok(())
     }
 
-    /// Reads every record in order. Each call starts from the beginning.
-    pub fn reader(&mut self) -> io::Result<SpoolReader<'_>> {
-        let source = match &mut self.file {
-            Some(file) => {
-                file.flush()?;
-                let mut f = file.get_ref().try_clone()?;
-                f.seek(SeekFrom::Start(0))?;
-                Source::File(BufReader::with_capacity(64 * 1024, f).take(self.spilled))
-            }
-            None => Source::Mem(&self.mem[..]),
-        };
-        Ok(SpoolReader {
-            source,
-            buf: Vec::new(),
-        })
-    }
-
     /// Reads every record in order, consuming the spool: the reader owns
     /// what it reads, so it can be kept across calls (a transaction handed
     /// out chunk by chunk).
-    pub fn into_reader(mut self) -> io::Result<SpoolReader<'static>> {
+    pub fn into_reader(mut self) -> io::Result<SpoolReader> {
         let source = match self.file.take() {
             Some(file) => {
                 let mut f = file.into_inner().map_err(|e| e.into_error())?;
                 f.seek(SeekFrom::Start(0))?;
                 Source::File(BufReader::with_capacity(64 * 1024, f).take(self.spilled))
             }
-            None => Source::Owned(io::Cursor::new(std::mem::take(&mut self.mem))),
+            None => Source::Mem(io::Cursor::new(std::mem::take(&mut self.mem))),
         };
         Ok(SpoolReader {
             source,
@@ -156,31 +139,29 @@ impl Spool {
     }
 }
 
-enum Source<'a> {
-    Mem(&'a [u8]),
-    Owned(io::Cursor<Vec<u8>>),
+enum Source {
+    Mem(io::Cursor<Vec<u8>>),
     File(io::Take<BufReader<File>>),
 }
 
-pub struct SpoolReader<'a> {
-    source: Source<'a>,
+pub struct SpoolReader {
+    source: Source,
     buf: Vec<u8>,
 }
 
-impl std::fmt::Debug for SpoolReader<'_> {
+impl std::fmt::Debug for SpoolReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SpoolReader").finish_non_exhaustive()
     }
 }
 
-impl SpoolReader<'_> {
+impl SpoolReader {
     /// The next record, or `None` at the end. The slice is valid until the
     /// next call.
     pub fn next_record(&mut self) -> io::Result<Option<&[u8]>> {
         let mut len = [0u8; 4];
         let read = match &mut self.source {
             Source::Mem(m) => m.read(&mut len)?,
-            Source::Owned(m) => m.read(&mut len)?,
             Source::File(f) => read_full(f, &mut len)?,
         };
         if read == 0 {
@@ -193,7 +174,6 @@ impl SpoolReader<'_> {
         self.buf.resize(len, 0);
         match &mut self.source {
             Source::Mem(m) => m.read_exact(&mut self.buf)?,
-            Source::Owned(m) => m.read_exact(&mut self.buf)?,
             Source::File(f) => f.read_exact(&mut self.buf)?,
         }
         Ok(Some(&self.buf))
@@ -215,9 +195,9 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 mod tests {
     use super::*;
 
-    fn drain(spool: &mut Spool) -> Vec<Vec<u8>> {
+    fn drain(spool: Spool) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
-        let mut reader = spool.reader().expect("reader");
+        let mut reader = spool.into_reader().expect("reader");
         while let Some(r) = reader.next_record().expect("read") {
             out.push(r.to_vec());
         }
@@ -239,19 +219,7 @@ mod tests {
         }
         assert!(spool.is_spilled());
         assert!(spool.peak_memory() <= 1024, "peak {}", spool.peak_memory());
-        assert_eq!(drain(&mut spool), records);
-        // Two passes read the same records, and so does the owning reader.
-        assert_eq!(drain(&mut spool), records);
-        assert_eq!(drain_owned(spool), records);
-    }
-
-    fn drain_owned(spool: Spool) -> Vec<Vec<u8>> {
-        let mut out = Vec::new();
-        let mut reader = spool.into_reader().expect("reader");
-        while let Some(r) = reader.next_record().expect("read") {
-            out.push(r.to_vec());
-        }
-        out
+        assert_eq!(drain(spool), records);
     }
 
     #[test]
@@ -267,14 +235,9 @@ mod tests {
             assert_eq!(spool.records(), 1);
             spool.push(b"d", dir.path()).expect("push");
             assert_eq!(
-                drain(&mut spool),
+                drain(spool),
                 vec![b"a".to_vec(), b"d".to_vec()],
                 "budget {budget}"
-            );
-            assert_eq!(
-                drain_owned(spool),
-                vec![b"a".to_vec(), b"d".to_vec()],
-                "budget {budget}, owning reader"
             );
         }
     }

@@ -13,7 +13,9 @@ use trellara_external_relay::pgoutput::{
     Begin, Column, Commit, Delete, Insert, LogicalMessage, Message, OldKind, Origin, Relation,
     RelationColumn, StreamAbort, StreamCommit, StreamStart, Truncate, Update,
 };
-use trellara_external_relay::{AssembleOrSink, Assembler, AssemblerConfig, AssemblyError};
+use trellara_external_relay::{
+    AssembleOrSink, Assembled, Assembler, AssemblerConfig, AssemblyError,
+};
 
 fn config(dir: &std::path::Path) -> AssemblerConfig {
     AssemblerConfig {
@@ -95,12 +97,28 @@ fn commit(lsn: u64) -> Message {
     })
 }
 
+/// An emitted envelope's bytes decode and validate, and agree with what
+/// the publisher is told of them.
+fn decoded(e: &Assembled) -> Envelope {
+    let env = e.decode().expect("every emitted envelope is valid");
+    let boundary = env.boundary.clone().expect("boundary");
+    assert_eq!(
+        (e.commit_lsn, e.end_lsn, e.last),
+        (
+            env.commit_lsn,
+            env.end_lsn,
+            boundary.chunk_index + 1 == boundary.chunk_count
+        )
+    );
+    env
+}
+
 /// Feeds messages and collects what was emitted.
 fn run(asm: &mut Assembler, messages: Vec<Message>) -> Result<Vec<Envelope>, AssemblyError> {
     let mut out = Vec::new();
     for (i, m) in messages.into_iter().enumerate() {
-        let mut sink = |e: Envelope| -> Result<(), Infallible> {
-            out.push(e);
+        let mut sink = |e: Assembled| -> Result<(), Infallible> {
+            out.push(decoded(&e));
             Ok(())
         };
         asm.handle(m, 0x1000 + i as u64, &mut sink)
@@ -343,6 +361,78 @@ fn stream_abort_discards_only_the_aborted_subtransaction_onwards() {
     assert!(!asm.in_transaction());
 }
 
+/// A subtransaction aborted across chunk boundaries: its rows and the
+/// chunks planned for them go; the run stays contiguous and within size.
+#[test]
+fn a_subtransaction_abort_in_a_chunked_stream_replans_its_chunks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(dir.path());
+    cfg.chunk_bytes = 2 * 1024;
+    let mut asm = Assembler::new(cfg);
+    let segment = |first: bool, rows: Vec<Message>| {
+        let mut m = vec![Message::StreamStart(StreamStart {
+            xid: 900,
+            first_segment: first,
+        })];
+        m.extend(rows);
+        m.push(Message::StreamStop);
+        m
+    };
+    let mut messages = vec![relation(16385, "sales", false)];
+    messages.extend(segment(
+        true,
+        (0..100)
+            .map(|i| insert(Some(900), &format!("top{i}")))
+            .collect(),
+    ));
+    messages.extend(segment(
+        false,
+        (0..300)
+            .map(|i| insert(Some(901), &format!("sub{i}")))
+            .collect(),
+    ));
+    messages.push(Message::StreamAbort(StreamAbort {
+        xid: 900,
+        subxid: 901,
+    }));
+    messages.extend(segment(
+        false,
+        (0..100)
+            .map(|i| insert(Some(902), &format!("after{i}")))
+            .collect(),
+    ));
+    messages.push(Message::StreamCommit(StreamCommit {
+        xid: 900,
+        flags: 0,
+        commit_lsn: 0x9000,
+        end_lsn: 0x9028,
+        commit_time: 6,
+    }));
+    let mut out = run(&mut asm, messages).expect("assembles");
+    let mut sink = |e: Assembled| -> Result<(), Infallible> {
+        out.push(decoded(&e));
+        Ok(())
+    };
+    while asm.emit_next(&mut sink).expect("next chunk") {}
+    let mut expected: Vec<String> = (0..100).map(|i| format!("top{i}")).collect();
+    expected.extend((0..100).map(|i| format!("after{i}")));
+    assert_eq!(out.iter().flat_map(ids).collect::<Vec<_>>(), expected);
+    assert!(out.len() > 3, "several chunks: {}", out.len());
+    for (i, e) in out.iter().enumerate() {
+        let b = e.boundary.as_ref().expect("boundary");
+        assert_eq!(
+            (b.chunk_index as usize, b.chunk_count as usize),
+            (i, out.len())
+        );
+        assert_eq!(b.total_changes, 200);
+        assert!(!e.changes.is_empty(), "no empty chunk left by the abort");
+        assert!(
+            envelope::encode(e).expect("valid").len() < 3 * 1024,
+            "chunk {i} within its size"
+        );
+    }
+}
+
 #[test]
 fn large_transactions_spill_and_arrive_as_ordered_chunks() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -359,8 +449,8 @@ fn large_transactions_spill_and_arrive_as_ordered_chunks() {
     // asked for, so the caller writes one before the next exists.
     assert_eq!(out.len(), 1, "only the first chunk at the commit");
     assert!(asm.finishing() && asm.in_transaction(), "the rest waits");
-    let mut sink = |e: Envelope| -> Result<(), Infallible> {
-        out.push(e);
+    let mut sink = |e: Assembled| -> Result<(), Infallible> {
+        out.push(decoded(&e));
         Ok(())
     };
     while asm.emit_next(&mut sink).expect("next chunk") {}

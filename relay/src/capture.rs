@@ -27,12 +27,14 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 use trellara_common::Lsn;
-use trellara_common::envelope::{self, Envelope, SourceIdentity};
+use trellara_common::envelope::{self, SourceIdentity};
 use trellara_external_relay::pgoutput::{self, DecodeContext, Message, ProtoVersion};
 use trellara_external_relay::pgwire::{
     ConnectOptions, Connection, ReplicationEvent, ReplicationStream, WireError,
 };
-use trellara_external_relay::{AssembleOrSink, Assembler, AssemblerConfig, AssemblyError};
+use trellara_external_relay::{
+    AssembleOrSink, Assembled, Assembler, AssemblerConfig, AssemblyError,
+};
 
 /// The consumer name under which the log records how far the source was
 /// acknowledged past the last envelope (idle keepalive advances).
@@ -507,7 +509,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
         // one chunk's build.
         if assembler.finishing() {
             {
-                let mut emit = |env: Envelope| batch.take(env, resume, log, stream, stats, hooks);
+                let mut emit = |env: Assembled| batch.take(env, resume, log, stream, stats, hooks);
                 match assembler.emit_next(&mut emit) {
                     Ok(_) => {}
                     Err(AssembleOrSink::Sink(e)) => return Err(e),
@@ -655,7 +657,7 @@ impl Batch {
     /// a transaction's last envelope is what the source may move past.
     fn take<S: Storage>(
         &mut self,
-        env: Envelope,
+        env: Assembled,
         resume: Resume,
         log: &Log<S>,
         stream: &mut impl SourceStream,
@@ -666,18 +668,9 @@ impl Batch {
             stats.duplicates_skipped += 1;
             return Ok(());
         }
-        let bytes = envelope::encode(&env).map_err(|source| CaptureError::BadTail {
-            offset: log.next_offset(),
-            dir: log.dir().display().to_string(),
-            source,
-        })?;
-        self.bytes += bytes.len();
-        self.records.push((env.commit_lsn, bytes));
-        let last_chunk = env
-            .boundary
-            .as_ref()
-            .is_none_or(|b| b.chunk_index + 1 == b.chunk_count);
-        if last_chunk {
+        self.bytes += env.bytes.len();
+        self.records.push((env.commit_lsn, env.bytes));
+        if env.last {
             self.ack = Some(Lsn(env.end_lsn));
         }
         crash(hooks, CrashPoint::ReceivedNotAppended)?;
@@ -853,7 +846,7 @@ async fn handle_event<S: Storage>(
                 Message::StreamStop => **in_stream_block = false,
                 _ => {}
             }
-            let mut emit = |env: Envelope| batch.take(env, *resume, log, stream, stats, hooks);
+            let mut emit = |env: Assembled| batch.take(env, *resume, log, stream, stats, hooks);
             match assembler.handle(message, start.0, &mut emit) {
                 Ok(()) => {}
                 Err(AssembleOrSink::Assembly(e)) => return Err(e.into()),
