@@ -5,6 +5,8 @@
 //!
 //! * [`encode`] validates before it writes and [`decode`] validates after it
 //!   reads, so an invalid envelope never reaches disk and never leaves a reader.
+//!   [`RawEnvelope`] writes the same bytes from changes encoded earlier, each
+//!   checked by [`validate_change`] then; it validates the rest itself.
 //! * The checksum is xxh3_64 over the encoding with the checksum zeroed. The
 //!   encoder emits fields in tag order, so the checksum field is always the
 //!   final 9 bytes (`0x69` + 8 bytes little-endian) and the hash covers
@@ -392,8 +394,14 @@ impl RawEnvelope {
         })
     }
 
-    /// Appends one encoded `Change`, whose sequence is `sequence`.
-    pub fn push(&mut self, sequence: u64, change: &[u8]) -> Result<(), EnvelopeError> {
+    /// Appends one encoded `Change`; its sequence must be the next one.
+    pub fn push(&mut self, change: &[u8]) -> Result<(), EnvelopeError> {
+        // prost writes `sequence` (field 1, varint: key 0x08) first, and
+        // omits it when 0.
+        let sequence = match change.split_first() {
+            Some((0x08, mut rest)) => prost::encoding::decode_varint(&mut rest)?,
+            _ => 0,
+        };
         if sequence != self.next_sequence {
             return Err(EnvelopeError::OutOfSequence {
                 index: self.pushed as usize,

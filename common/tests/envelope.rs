@@ -52,8 +52,7 @@ fn an_envelope_framed_from_encoded_changes_is_the_same_bytes() {
                     .map(|r| r.columns.len())
             };
             validate_change(change, width).expect("valid change");
-            raw.push(change.sequence, &change.encode_to_vec())
-                .expect("in sequence");
+            raw.push(&change.encode_to_vec()).expect("in sequence");
         }
         assert_eq!(
             raw.finish().expect("all held"),
@@ -67,10 +66,10 @@ fn an_envelope_framed_from_encoded_changes_is_the_same_bytes() {
     };
     let encoded: Vec<Vec<u8>> = original.changes.iter().map(|c| c.encode_to_vec()).collect();
     let mut short = RawEnvelope::new(&frame, 3).expect("frame");
-    short.push(0, &encoded[0]).expect("first");
+    short.push(&encoded[0]).expect("first");
     assert!(
         matches!(
-            short.push(2, &encoded[2]),
+            short.push(&encoded[2]),
             Err(EnvelopeError::OutOfSequence {
                 expected: 1,
                 found: 2,

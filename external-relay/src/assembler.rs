@@ -19,6 +19,11 @@
 //!   chunk (at most `chunk_bytes` of changes) at a time, and each chunk is
 //!   handed over before the next is built, so the caller can write it (and
 //!   a consumer apply it) meanwhile.
+//! * Every envelope handed over is valid: each change is validated and
+//!   encoded once, with its final sequence, as it arrives, and its chunk
+//!   planned then; at commit a chunk is framed from those bytes as they
+//!   are ([`envelope::RawEnvelope`] validates the frame), with no decode
+//!   and re-encode. Debug builds decode every envelope again.
 //! * Schema is pinned: the first fingerprint seen for a relation (or the one
 //!   given at start) is kept; a Relation message with another fingerprint
 //!   stops capture with [`AssemblyError::SchemaDrift`] naming the relation
@@ -99,12 +104,6 @@ pub enum AssemblyError {
         xid: u32,
         #[source]
         source: envelope::EnvelopeError,
-    },
-    #[error("a spilled change of transaction {xid} did not decode: {source}")]
-    Respool {
-        xid: u32,
-        #[source]
-        source: prost::DecodeError,
     },
 }
 
@@ -564,20 +563,21 @@ impl Assembler {
             sequence: txn.spool.records(),
             body: Some(body),
         };
-        let width = relation.as_ref().map(|r| (r.relation_id, r.columns.len()));
+        if let Some(relation) = relation {
+            txn.relations
+                .entry(relation.relation_id)
+                .or_insert(relation);
+        }
+        // Against the schema its envelope will carry: the relation's as of
+        // its first use in this transaction.
         envelope::validate_change(&change, |id| {
-            width.filter(|(known, _)| *known == id).map(|(_, w)| w)
+            txn.relations.get(&id).map(|r| r.columns.len())
         })
         .map_err(|source| AssemblyError::Invalid { xid, source })?;
         let row_relation = match &change.body {
             Some(change::Body::Row(row)) => Some(row.relation_id),
             _ => None,
         };
-        if let Some(relation) = relation {
-            txn.relations
-                .entry(relation.relation_id)
-                .or_insert(relation);
-        }
         let encoded = change.encode_to_vec();
         txn.plan(encoded.len(), row_relation, limit);
         let was_spilled = txn.spool.is_spilled();
@@ -691,11 +691,11 @@ impl Assembler {
             capture.captured_at_micros = now_micros();
         }
         let mut raw = envelope::RawEnvelope::new(&frame, end - first_sequence).map_err(invalid)?;
-        for sequence in first_sequence..end {
+        for _ in first_sequence..end {
             let Some(record) = f.reader.next_record().map_err(spill)? else {
                 break;
             };
-            raw.push(sequence, record).map_err(invalid)?;
+            raw.push(record).map_err(invalid)?;
         }
         let bytes = raw.finish().map_err(invalid)?;
         // Each change was checked as it came and the frame just now; the
@@ -759,9 +759,9 @@ impl Assembled {
     }
 }
 
-/// Most bytes a spooled change grows by inside an envelope: its sequence
-/// (key + varint up to 10 bytes) plus the repeated field's key and length.
-const CHANGE_FRAMING_BOUND: usize = 1 + 10 + 1 + 5;
+/// Most bytes a spooled change grows by inside an envelope: the repeated
+/// field's key and length (its sequence is already in it).
+const CHANGE_FRAMING_BOUND: usize = 1 + 5;
 
 fn row(
     relation: &RelationSchema,

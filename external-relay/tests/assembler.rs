@@ -7,7 +7,7 @@ use bytes::Bytes;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use trellara_common::envelope::{
-    self, BeforeImage, Envelope, Operation, SourceIdentity, boundary, change, value,
+    self, BeforeImage, Envelope, EnvelopeError, Operation, SourceIdentity, boundary, change, value,
 };
 use trellara_external_relay::pgoutput::{
     Begin, Column, Commit, Delete, Insert, LogicalMessage, Message, OldKind, Origin, Relation,
@@ -533,6 +533,41 @@ fn schema_drift_stops_capture_naming_both_fingerprints() {
         run(&mut fresh, vec![relation(16385, "sales", false)]),
         Err(AssemblyError::SchemaDrift { pinned: 0x1234, .. })
     ));
+}
+
+/// A relation renamed and widened inside a transaction (pinned afresh under
+/// its new name, so no drift is seen): its wider rows do not fit the schema
+/// the envelope carries, and assembly stops instead of framing them.
+#[test]
+fn rows_that_do_not_fit_the_transactions_schema_stop_assembly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut asm = Assembler::new(config(dir.path()));
+    let err = run(
+        &mut asm,
+        vec![
+            relation(16385, "sales", false),
+            begin(42, 0xA000),
+            insert(None, "1"),
+            relation(16385, "sales_renamed", true),
+            Message::Insert(Insert {
+                xid: None,
+                relation: 16385,
+                new: vec![t("2"), t("n"), t("x")],
+            }),
+            commit(0xA000),
+        ],
+    )
+    .expect_err("refused");
+    assert!(
+        matches!(
+            err,
+            AssemblyError::Invalid {
+                xid: 42,
+                source: EnvelopeError::ImageWidth { .. }
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]

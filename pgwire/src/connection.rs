@@ -15,7 +15,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::time::Instant;
 
 /// Session settings for text that round-trips exactly: ISO dates,
 /// postgres intervals, shortest exact floats, times in UTC (so every
@@ -358,46 +357,55 @@ impl Connection {
             if let Some(message) = self.parse()? {
                 return Ok(message);
             }
-            let mut room = 0;
-            if let Some(every) = self.reads.pace {
-                if let Some(wait) = self
-                    .reads
-                    .drained_at
-                    .and_then(|at| every.checked_sub(at.elapsed()))
-                {
-                    tokio::time::sleep(wait).await;
+            let n = match self.reads.pace {
+                None => self.io.read_buf(&mut self.rbuf).await?,
+                Some(every) => {
+                    self.rbuf.reserve(PACED_READ_BYTES);
+                    // Whatever is there now is taken at once (a TLS read
+                    // yields one record at a time), so pacing never caps the
+                    // rate; only a dry socket waits, letting a batch gather.
+                    // Unconstrained: tokio's task budget would make a read
+                    // with data waiting look dry.
+                    let now = tokio::task::unconstrained(self.io.read_buf(&mut self.rbuf));
+                    match now_or_never(now) {
+                        Some(read) => read?,
+                        None => {
+                            tokio::time::sleep(every).await;
+                            self.io.read_buf(&mut self.rbuf).await?
+                        }
+                    }
                 }
-                self.rbuf.reserve(PACED_READ_BYTES);
-                room = self.rbuf.capacity() - self.rbuf.len();
-            }
-            let n = self.io.read_buf(&mut self.rbuf).await?;
+            };
             if n == 0 {
                 return Err(WireError::Closed);
             }
             self.reads.count += 1;
-            // Less than there was room for: the socket is empty, and the
-            // next read waits its turn. A full read goes on at once, so
-            // pacing never caps the rate.
-            self.reads.drained_at = (n < room).then(Instant::now);
         }
     }
 
     /// Reads the socket at most once per `every` while it keeps running dry
-    /// (`None`: on every arrival, the default). Messages already buffered
+    /// (`None`: on every arrival, the default): a read that finds nothing
+    /// waits `every` before it waits for data. Messages already buffered
     /// still come at once. For a stream whose messages are of no use until
     /// a later one (the rows of an uncommitted transaction): each wake-up
     /// then takes many messages, and the sender is spared a wake-up of this
     /// process per message it sends.
     pub fn pace_reads(&mut self, every: Option<Duration>) {
         self.reads.pace = every;
-        if every.is_none() {
-            self.reads.drained_at = None;
-        }
     }
 
     /// Socket reads so far (each may take many messages).
     pub fn socket_reads(&self) -> u64 {
         self.reads.count
+    }
+}
+
+/// Polls `future` once: its output if it is ready now.
+fn now_or_never<F: std::future::Future>(future: F) -> Option<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::pin::pin!(future).poll(&mut cx) {
+        std::task::Poll::Ready(output) => Some(output),
+        std::task::Poll::Pending => None,
     }
 }
 
@@ -408,8 +416,6 @@ const PACED_READ_BYTES: usize = 1 << 20;
 #[derive(Debug, Default)]
 struct Reads {
     pace: Option<Duration>,
-    /// When a read last found the socket empty (paced only).
-    drained_at: Option<Instant>,
     count: u64,
 }
 
@@ -430,9 +436,10 @@ mod tests {
     use super::*;
     use postgres_protocol::message::backend::Message;
     use tokio::io::AsyncWriteExt;
+    use tokio::time::Instant;
 
     /// A connection reading `io`, as if after startup.
-    fn connection(io: tokio::io::DuplexStream) -> Connection {
+    fn connection(io: impl Io + 'static) -> Connection {
         Connection {
             io: Box::new(io),
             rbuf: BytesMut::new(),
@@ -500,14 +507,54 @@ mod tests {
         }
     }
 
-    /// More waiting than one read takes: paced reads go on without a pause,
-    /// so pacing never caps the rate.
+    /// Yields at most 16 KiB per read, as a TLS stream yields one record.
+    struct Records(tokio::io::DuplexStream);
+
+    impl tokio::io::AsyncRead for Records {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            let mut record = [0u8; 16 * 1024];
+            let take = buf.remaining().min(record.len());
+            let mut small = tokio::io::ReadBuf::new(&mut record[..take]);
+            let polled = std::pin::Pin::new(&mut self.0).poll_read(cx, &mut small);
+            buf.put_slice(small.filled());
+            polled
+        }
+    }
+
+    impl tokio::io::AsyncWrite for Records {
+        fn poll_write(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            data: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::pin::Pin::new(&mut self.0).poll_write(cx, data)
+        }
+        fn poll_flush(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.0).poll_flush(cx)
+        }
+        fn poll_shutdown(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+        }
+    }
+
+    /// More waiting than one read takes, read a TLS record at a time: paced
+    /// reads go on without a pause, so pacing never caps the rate.
     #[tokio::test(start_paused = true)]
     async fn paced_reads_do_not_pause_while_data_waits() {
         let (client, mut server) = tokio::io::duplex(8 << 20);
         let burst: Vec<u8> = (0..4096).flat_map(|i| copy_data(i, 1000)).collect();
         server.write_all(&burst).await.expect("write");
-        let mut conn = connection(client);
+        let mut conn = connection(Records(client));
         conn.pace_reads(Some(Duration::from_millis(50)));
         let started = Instant::now();
         read_in_order(&mut conn, 4096).await;

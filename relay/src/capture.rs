@@ -523,6 +523,12 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                 }
             }
             batch.write(log, stream, stats)?;
+            // Handing out a very large transaction can outlast the
+            // server's wal_sender_timeout: keep the session alive.
+            if stream.status_due(config.status_interval) {
+                stream.send_status().await?;
+                crash(hooks, CrashPoint::Acknowledged)?;
+            }
             tokio::task::yield_now().await;
             continue;
         }
@@ -557,6 +563,8 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                 () = tokio::time::sleep(config.status_interval) => None,
                 () = &mut shutdown => {
                     batch.advance(log, stream, stats, hooks).await?;
+                    // The rest of the stream is read to its end at once.
+                    stream.pace_reads(None);
                     return Ok(true);
                 }
             }

@@ -1255,7 +1255,7 @@ mod tests {
 
     /// The first chunks of a large transaction are in the log, for the
     /// applier on the same thread to read, before its last chunk is built;
-    /// the source is acknowledged only after the last one.
+    /// the whole run ends acknowledged.
     #[test]
     fn a_large_transaction_is_written_chunk_by_chunk() {
         let (commit, end) = (0x9000u64, 0x9028u64);
@@ -1408,8 +1408,8 @@ mod tests {
         let pace = Some(Duration::from_millis(5));
         assert_eq!(
             stream.paces,
-            [(904 + 1 + 12, pace), (12, None)],
-            "paced within 801 only"
+            [(904 + 1 + 12, pace), (12, None), (0, None)],
+            "paced within 801 only (and never at the stop)"
         );
         assert_eq!(
             stream.durable(),
