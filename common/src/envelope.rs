@@ -367,30 +367,25 @@ pub struct RawEnvelope {
 
 impl RawEnvelope {
     /// `frame` holds every field but `changes`; `held` is how many follow.
-    pub fn new(frame: &Envelope, held: u64) -> Result<RawEnvelope, EnvelopeError> {
-        validate_frame(frame, held)?;
+    pub fn new(mut frame: Envelope, held: u64) -> Result<RawEnvelope, EnvelopeError> {
+        validate_frame(&frame, held)?;
+        let next_sequence = frame.boundary.as_ref().map_or(0, |b| b.first_sequence);
         // prost writes fields in tag order: 1-8 precede `changes` (9),
         // 10-12 follow it.
-        let head = Envelope {
-            boundary: None,
-            origin: String::new(),
-            capture: None,
-            changes: Vec::new(),
-            checksum: 0,
-            ..frame.clone()
-        };
         let tail = Envelope {
-            boundary: frame.boundary.clone(),
-            origin: frame.origin.clone(),
-            capture: frame.capture.clone(),
+            boundary: frame.boundary.take(),
+            origin: std::mem::take(&mut frame.origin),
+            capture: frame.capture.take(),
             ..Envelope::default()
         };
+        frame.changes.clear();
+        frame.checksum = 0;
         Ok(RawEnvelope {
-            buf: head.encode_to_vec(),
+            buf: frame.encode_to_vec(),
             tail: tail.encode_to_vec(),
             held,
             pushed: 0,
-            next_sequence: frame.boundary.as_ref().map_or(0, |b| b.first_sequence),
+            next_sequence,
         })
     }
 

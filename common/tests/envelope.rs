@@ -42,7 +42,7 @@ fn an_envelope_framed_from_encoded_changes_is_the_same_bytes() {
             changes: Vec::new(),
             ..original.clone()
         };
-        let mut raw = RawEnvelope::new(&frame, original.changes.len() as u64).expect("frame");
+        let mut raw = RawEnvelope::new(frame, original.changes.len() as u64).expect("frame");
         for change in &original.changes {
             let width = |id| {
                 original
@@ -65,7 +65,7 @@ fn an_envelope_framed_from_encoded_changes_is_the_same_bytes() {
         ..original.clone()
     };
     let encoded: Vec<Vec<u8>> = original.changes.iter().map(|c| c.encode_to_vec()).collect();
-    let mut short = RawEnvelope::new(&frame, 3).expect("frame");
+    let mut short = RawEnvelope::new(frame.clone(), 3).expect("frame");
     short.push(&encoded[0]).expect("first");
     assert!(
         matches!(
@@ -90,7 +90,7 @@ fn an_envelope_framed_from_encoded_changes_is_the_same_bytes() {
     );
     assert!(
         matches!(
-            RawEnvelope::new(&frame, 2),
+            RawEnvelope::new(frame, 2),
             Err(EnvelopeError::ManifestCountMismatch { .. })
         ),
         "the frame is validated against the count it will hold"

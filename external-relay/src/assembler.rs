@@ -690,7 +690,8 @@ impl Assembler {
         if let Some(capture) = &mut frame.capture {
             capture.captured_at_micros = now_micros();
         }
-        let mut raw = envelope::RawEnvelope::new(&frame, end - first_sequence).map_err(invalid)?;
+        let (commit_lsn, end_lsn) = (frame.commit_lsn, frame.end_lsn);
+        let mut raw = envelope::RawEnvelope::new(frame, end - first_sequence).map_err(invalid)?;
         for _ in first_sequence..end {
             let Some(record) = f.reader.next_record().map_err(spill)? else {
                 break;
@@ -708,8 +709,8 @@ impl Assembler {
         f.next_chunk += 1;
         let more = f.next_chunk < f.chunks.len();
         emit(Assembled {
-            commit_lsn: frame.commit_lsn,
-            end_lsn: frame.end_lsn,
+            commit_lsn,
+            end_lsn,
             last: !more,
             bytes,
         })
