@@ -1207,6 +1207,66 @@ mod tests {
         }
     }
 
+    /// A transaction of `rows` inserts, begun at `begin`, committing at
+    /// `commit` (its end 0x28 past it).
+    fn script_txn(
+        queue: &mut VecDeque<ReplicationEvent>,
+        xid: u32,
+        begin: u64,
+        commit: u64,
+        rows: u32,
+    ) {
+        queue.push_back(xlog(
+            begin,
+            Message::Begin(pg::Begin {
+                final_lsn: commit,
+                commit_time: 0,
+                xid,
+            }),
+        ));
+        for i in 0..rows {
+            queue.push_back(xlog(
+                begin + 0x10 + u64::from(i),
+                Message::Insert(pg::Insert {
+                    xid: None,
+                    relation: OID,
+                    new: vec![
+                        text_column(&i.to_string()),
+                        text_column("n"),
+                        text_column("d"),
+                    ],
+                }),
+            ));
+        }
+        queue.push_back(xlog(
+            commit,
+            Message::Commit(pg::Commit {
+                flags: 0,
+                commit_lsn: commit,
+                end_lsn: commit + 0x28,
+                commit_time: 0,
+            }),
+        ));
+    }
+
+    /// A simulated log with capture's consumer, and a source sending the
+    /// relation, then `script`.
+    fn scripted(script: VecDeque<ReplicationEvent>) -> (Log<SimStorage>, Scripted) {
+        let (log, _) =
+            Log::open(SimStorage::new(7), "/log", crate::log::LogConfig::default()).expect("open");
+        log.register_consumer(capture::SOURCE_ACK)
+            .expect("register");
+        let mut queue = VecDeque::from([xlog(0x100, relation_message(None, false))]);
+        queue.extend(script);
+        let stream = Scripted {
+            queue,
+            durable: Lsn::ZERO,
+            exhausted: Rc::new(Cell::new(false)),
+            paces: Vec::new(),
+        };
+        (log, stream)
+    }
+
     /// Runs one capture session over `stream` on a paused clock, until the
     /// script is exhausted; `beside` runs on the same thread meanwhile.
     fn capture_script(
@@ -1259,50 +1319,9 @@ mod tests {
     #[test]
     fn a_large_transaction_is_written_chunk_by_chunk() {
         let (commit, end) = (0x9000u64, 0x9028u64);
-        let mut queue = VecDeque::from([
-            xlog(0x100, relation_message(None, false)),
-            xlog(
-                0x1000,
-                Message::Begin(pg::Begin {
-                    final_lsn: commit,
-                    commit_time: 0,
-                    xid: 700,
-                }),
-            ),
-        ]);
-        for i in 0..400u32 {
-            queue.push_back(xlog(
-                0x1000 + u64::from(i) * 0x10,
-                Message::Insert(pg::Insert {
-                    xid: None,
-                    relation: OID,
-                    new: vec![
-                        text_column(&i.to_string()),
-                        text_column("n"),
-                        text_column("d"),
-                    ],
-                }),
-            ));
-        }
-        queue.push_back(xlog(
-            commit,
-            Message::Commit(pg::Commit {
-                flags: 0,
-                commit_lsn: commit,
-                end_lsn: end,
-                commit_time: 0,
-            }),
-        ));
-        let (log, _) =
-            Log::open(SimStorage::new(7), "/log", crate::log::LogConfig::default()).expect("open");
-        log.register_consumer(capture::SOURCE_ACK)
-            .expect("register");
-        let mut stream = Scripted {
-            queue,
-            durable: Lsn::ZERO,
-            exhausted: Rc::new(Cell::new(false)),
-            paces: Vec::new(),
-        };
+        let mut script = VecDeque::new();
+        script_txn(&mut script, 700, 0x1000, commit, 400);
+        let (log, mut stream) = scripted(script);
         let mut assembler = assembler(
             &config(),
             512,
@@ -1348,53 +1367,11 @@ mod tests {
     /// at once again from its commit on.
     #[test]
     fn reads_are_paced_inside_a_large_transaction_only() {
-        let insert = |i: u32| {
-            Message::Insert(pg::Insert {
-                xid: None,
-                relation: OID,
-                new: vec![
-                    text_column(&i.to_string()),
-                    text_column("n"),
-                    text_column("d"),
-                ],
-            })
-        };
-        let txn = |queue: &mut VecDeque<ReplicationEvent>, xid: u32, at: u64, rows: u32| {
-            queue.push_back(xlog(
-                at,
-                Message::Begin(pg::Begin {
-                    final_lsn: at + 0x10_0000,
-                    commit_time: 0,
-                    xid,
-                }),
-            ));
-            for i in 0..rows {
-                queue.push_back(xlog(at + 0x10 + u64::from(i), insert(i)));
-            }
-            queue.push_back(xlog(
-                at + 0x10_0000,
-                Message::Commit(pg::Commit {
-                    flags: 0,
-                    commit_lsn: at + 0x10_0000,
-                    end_lsn: at + 0x10_0028,
-                    commit_time: 0,
-                }),
-            ));
-        };
-        let mut queue = VecDeque::from([xlog(0x100, relation_message(None, false))]);
-        txn(&mut queue, 800, 0x1000, 10);
-        txn(&mut queue, 801, 0x20_0000, 5000);
-        txn(&mut queue, 802, 0x40_0000, 10);
-        let (log, _) =
-            Log::open(SimStorage::new(7), "/log", crate::log::LogConfig::default()).expect("open");
-        log.register_consumer(capture::SOURCE_ACK)
-            .expect("register");
-        let mut stream = Scripted {
-            queue,
-            durable: Lsn::ZERO,
-            exhausted: Rc::new(Cell::new(false)),
-            paces: Vec::new(),
-        };
+        let mut script = VecDeque::new();
+        script_txn(&mut script, 800, 0x1000, 0x10_1000, 10);
+        script_txn(&mut script, 801, 0x20_0000, 0x30_0000, 5000);
+        script_txn(&mut script, 802, 0x40_0000, 0x50_0000, 10);
+        let (log, mut stream) = scripted(script);
         let mut assembler = assembler(
             &config(),
             1 << 20,
@@ -1420,56 +1397,19 @@ mod tests {
 
     #[test]
     fn pings_between_transactions_do_not_cost_an_fsync_each() {
-        let mut queue = VecDeque::from([xlog(0x100, relation_message(None, false))]);
+        let mut script = VecDeque::new();
         let (mut pos, mut last_ping) = (0x1000u64, 0);
         for i in 0..100u32 {
-            let (commit, end) = (pos + 0x100, pos + 0x128);
-            queue.push_back(xlog(
-                pos,
-                Message::Begin(pg::Begin {
-                    final_lsn: commit,
-                    commit_time: 0,
-                    xid: 1000 + i,
-                }),
-            ));
-            queue.push_back(xlog(
-                pos + 0x10,
-                Message::Insert(pg::Insert {
-                    xid: None,
-                    relation: OID,
-                    new: vec![
-                        text_column(&i.to_string()),
-                        text_column("n"),
-                        text_column("d"),
-                    ],
-                }),
-            ));
-            queue.push_back(xlog(
-                commit,
-                Message::Commit(pg::Commit {
-                    flags: 0,
-                    commit_lsn: commit,
-                    end_lsn: end,
-                    commit_time: 0,
-                }),
-            ));
-            last_ping = end + 0x8;
-            queue.push_back(ReplicationEvent::Keepalive {
+            let commit = pos + 0x100;
+            script_txn(&mut script, 1000 + i, pos, commit, 1);
+            last_ping = commit + 0x28 + 0x8;
+            script.push_back(ReplicationEvent::Keepalive {
                 wal_end: Lsn(last_ping),
                 reply_requested: false,
             });
-            pos = end + 0x100;
+            pos = commit + 0x128;
         }
-        let (log, _) =
-            Log::open(SimStorage::new(7), "/log", crate::log::LogConfig::default()).expect("open");
-        log.register_consumer(capture::SOURCE_ACK)
-            .expect("register");
-        let mut stream = Scripted {
-            queue,
-            durable: Lsn::ZERO,
-            exhausted: Rc::new(Cell::new(false)),
-            paces: Vec::new(),
-        };
+        let (log, mut stream) = scripted(script);
         let mut assembler = assembler(
             &config(),
             1 << 20,
