@@ -1,7 +1,8 @@
 //! The replication client over TLS with SCRAM-SHA-256 against a real
 //! server: verify-full with the server's CA, require without one, a wrong CA
 //! refused, a wrong password refused as definite (not retried), and a
-//! capture session streaming over the encrypted connection.
+//! capture session streaming over the encrypted connection (a large
+//! transaction too, read in bursts).
 
 use std::path::Path;
 use std::process::Command;
@@ -241,6 +242,9 @@ fn tls_and_scram_on_a_real_server() {
         std::thread::sleep(Duration::from_millis(50));
     }
     cluster.psql("INSERT INTO sales VALUES (1)");
+    // And one large enough to be read in bursts (paced): over TLS each read
+    // yields one record, which must not be taken for a dry socket.
+    cluster.psql("INSERT INTO sales SELECT g FROM generate_series(2, 50001) g");
     let end: Lsn = cluster
         .psql_value("SELECT pg_current_wal_lsn()")
         .parse()
@@ -264,7 +268,34 @@ fn tls_and_scram_on_a_real_server() {
     assert_eq!(ssl, "true", "the walsender connection is encrypted");
     let _ = tx.send(());
     let stats = handle.join().expect("thread").expect("capture ok");
-    assert_eq!(stats.envelopes, 1);
+    let (log, _) = trellara_relay::log::Log::open(
+        trellara_relay::log::storage::FsStorage::new(),
+        log_dir.path(),
+        trellara_relay::log::LogConfig::default(),
+    )
+    .expect("open log");
+    let changes: Vec<(u64, usize)> = log
+        .read_from(log.first_offset())
+        .expect("read")
+        .map(|r| {
+            let env = trellara_common::envelope::decode(&r.expect("record").payload)
+                .expect("valid envelope");
+            (env.commit_lsn, env.changes.len())
+        })
+        .collect();
+    assert_eq!(stats.envelopes, changes.len() as u64);
+    let rows_of = |i: usize| {
+        changes
+            .iter()
+            .filter(|(c, _)| *c == changes[i].0)
+            .map(|(_, n)| n)
+            .sum::<usize>()
+    };
+    assert_eq!(
+        (rows_of(0), rows_of(changes.len() - 1)),
+        (1, 50_000),
+        "both transactions whole over TLS: {changes:?}"
+    );
 }
 
 /// Plain SQL sessions (snapshot copy, apply, verify use them) through
