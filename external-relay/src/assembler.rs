@@ -122,7 +122,7 @@ struct Txn {
     /// the spooled bytes as they are.
     chunks: Vec<PlannedChunk>,
     /// Envelope bytes the last chunk's changes take so far.
-    chunk_bytes: usize,
+    last_chunk_bytes: usize,
 }
 
 /// Where a chunk starts, and the relations its rows use.
@@ -145,7 +145,7 @@ impl Txn {
                 start: Mark::default(),
                 relations: Vec::new(),
             }],
-            chunk_bytes: 0,
+            last_chunk_bytes: 0,
         }
     }
 
@@ -154,14 +154,14 @@ impl Txn {
     /// it past `limit`.
     fn plan(&mut self, len: usize, relation: Option<u32>, limit: usize) {
         let size = len + CHANGE_FRAMING_BOUND;
-        if self.chunk_bytes > 0 && self.chunk_bytes + size > limit {
+        if self.last_chunk_bytes > 0 && self.last_chunk_bytes + size > limit {
             self.chunks.push(PlannedChunk {
                 start: self.spool.mark(),
                 relations: Vec::new(),
             });
-            self.chunk_bytes = 0;
+            self.last_chunk_bytes = 0;
         }
-        self.chunk_bytes += size;
+        self.last_chunk_bytes += size;
         let chunk = self.chunks.last_mut().expect("a transaction has a chunk");
         if let Some(id) = relation
             && let Err(at) = chunk.relations.binary_search(&id)
@@ -180,7 +180,7 @@ impl Txn {
         let last = self.chunks.last().expect("a transaction has a chunk").start;
         // Spooled records carry a 4-byte length; planned ones the framing
         // bound.
-        self.chunk_bytes = (mark.bytes - last.bytes) as usize
+        self.last_chunk_bytes = (mark.bytes - last.bytes) as usize
             + (mark.records - last.records) as usize * (CHANGE_FRAMING_BOUND - 4);
         Ok(())
     }

@@ -88,7 +88,8 @@ pub struct Connection {
     pub(crate) io: Box<dyn Io>,
     pub(crate) rbuf: BytesMut,
     pub(crate) wbuf: BytesMut,
-    reads: Reads,
+    /// See [`Connection::pace_reads`].
+    pace: Option<Duration>,
     backend_pid: i32,
     parameters: HashMap<String, String>,
     options: ConnectOptions,
@@ -124,7 +125,7 @@ impl Connection {
             io,
             rbuf: BytesMut::with_capacity(64 * 1024),
             wbuf: BytesMut::new(),
-            reads: Reads::default(),
+            pace: None,
             backend_pid: 0,
             parameters: HashMap::new(),
             options: options.clone(),
@@ -357,7 +358,7 @@ impl Connection {
             if let Some(message) = self.parse()? {
                 return Ok(message);
             }
-            let n = match self.reads.pace {
+            let n = match self.pace {
                 None => self.io.read_buf(&mut self.rbuf).await?,
                 Some(every) => {
                     self.rbuf.reserve(PACED_READ_BYTES);
@@ -379,7 +380,6 @@ impl Connection {
             if n == 0 {
                 return Err(WireError::Closed);
             }
-            self.reads.count += 1;
         }
     }
 
@@ -391,12 +391,7 @@ impl Connection {
     /// then takes many messages, and the sender is spared a wake-up of this
     /// process per message it sends.
     pub fn pace_reads(&mut self, every: Option<Duration>) {
-        self.reads.pace = every;
-    }
-
-    /// Socket reads so far (each may take many messages).
-    pub fn socket_reads(&self) -> u64 {
-        self.reads.count
+        self.pace = every;
     }
 }
 
@@ -411,13 +406,6 @@ fn now_or_never<F: std::future::Future>(future: F) -> Option<F::Output> {
 
 /// Room one paced read may fill.
 const PACED_READ_BYTES: usize = 1 << 20;
-
-/// How the socket is read; see [`Connection::pace_reads`].
-#[derive(Debug, Default)]
-struct Reads {
-    pace: Option<Duration>,
-    count: u64,
-}
 
 /// "17.9 (Debian ...)" or "18devel" -> 170009 / 180000.
 fn parse_server_version(v: &str) -> Option<u32> {
@@ -444,7 +432,7 @@ mod tests {
             io: Box::new(io),
             rbuf: BytesMut::new(),
             wbuf: BytesMut::new(),
-            reads: Reads::default(),
+            pace: None,
             backend_pid: 0,
             parameters: HashMap::new(),
             options: ConnectOptions {
@@ -495,10 +483,11 @@ mod tests {
                 }
                 server
             });
-            let mut conn = connection(client);
+            let (socket, reads) = Socket::new(client, None);
+            let mut conn = connection(socket);
             conn.pace_reads(pace);
             read_in_order(&mut conn, 200).await;
-            let reads = conn.socket_reads();
+            let reads = reads.load(std::sync::atomic::Ordering::Relaxed);
             match pace {
                 None => assert!(reads >= 150, "{reads} reads unpaced"),
                 Some(_) => assert!(reads <= 15, "{reads} reads for 200 ms paced at 20 ms"),
@@ -507,43 +496,66 @@ mod tests {
         }
     }
 
-    /// Yields at most 16 KiB per read, as a TLS stream yields one record.
-    struct Records(tokio::io::DuplexStream);
+    /// A socket that counts the reads that took bytes, and yields at most
+    /// `record` bytes per read (as a TLS stream yields one record) if set.
+    struct Socket {
+        inner: tokio::io::DuplexStream,
+        record: Option<usize>,
+        reads: Arc<std::sync::atomic::AtomicU64>,
+    }
 
-    impl tokio::io::AsyncRead for Records {
+    impl Socket {
+        fn new(
+            inner: tokio::io::DuplexStream,
+            record: Option<usize>,
+        ) -> (Self, Arc<std::sync::atomic::AtomicU64>) {
+            let reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let socket = Socket {
+                inner,
+                record,
+                reads: Arc::clone(&reads),
+            };
+            (socket, reads)
+        }
+    }
+
+    impl tokio::io::AsyncRead for Socket {
         fn poll_read(
             mut self: std::pin::Pin<&mut Self>,
             cx: &mut std::task::Context<'_>,
             buf: &mut tokio::io::ReadBuf<'_>,
         ) -> std::task::Poll<std::io::Result<()>> {
-            let mut record = [0u8; 16 * 1024];
-            let take = buf.remaining().min(record.len());
-            let mut small = tokio::io::ReadBuf::new(&mut record[..take]);
-            let polled = std::pin::Pin::new(&mut self.0).poll_read(cx, &mut small);
+            let mut room = vec![0u8; self.record.unwrap_or(buf.remaining()).min(buf.remaining())];
+            let mut small = tokio::io::ReadBuf::new(&mut room);
+            let polled = std::pin::Pin::new(&mut self.inner).poll_read(cx, &mut small);
+            if !small.filled().is_empty() {
+                self.reads
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             buf.put_slice(small.filled());
             polled
         }
     }
 
-    impl tokio::io::AsyncWrite for Records {
+    impl tokio::io::AsyncWrite for Socket {
         fn poll_write(
             mut self: std::pin::Pin<&mut Self>,
             cx: &mut std::task::Context<'_>,
             data: &[u8],
         ) -> std::task::Poll<std::io::Result<usize>> {
-            std::pin::Pin::new(&mut self.0).poll_write(cx, data)
+            std::pin::Pin::new(&mut self.inner).poll_write(cx, data)
         }
         fn poll_flush(
             mut self: std::pin::Pin<&mut Self>,
             cx: &mut std::task::Context<'_>,
         ) -> std::task::Poll<std::io::Result<()>> {
-            std::pin::Pin::new(&mut self.0).poll_flush(cx)
+            std::pin::Pin::new(&mut self.inner).poll_flush(cx)
         }
         fn poll_shutdown(
             mut self: std::pin::Pin<&mut Self>,
             cx: &mut std::task::Context<'_>,
         ) -> std::task::Poll<std::io::Result<()>> {
-            std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+            std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
         }
     }
 
@@ -554,7 +566,8 @@ mod tests {
         let (client, mut server) = tokio::io::duplex(8 << 20);
         let burst: Vec<u8> = (0..4096).flat_map(|i| copy_data(i, 1000)).collect();
         server.write_all(&burst).await.expect("write");
-        let mut conn = connection(Records(client));
+        let (socket, reads) = Socket::new(client, Some(16 * 1024));
+        let mut conn = connection(socket);
         conn.pace_reads(Some(Duration::from_millis(50)));
         let started = Instant::now();
         read_in_order(&mut conn, 4096).await;
@@ -563,11 +576,8 @@ mod tests {
             "4 MiB waiting took {:?}",
             started.elapsed()
         );
-        assert!(
-            conn.socket_reads() >= 2,
-            "several reads: {}",
-            conn.socket_reads()
-        );
+        let reads = reads.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(reads >= 2, "several reads: {reads}");
     }
 
     #[test]

@@ -510,16 +510,12 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
         if assembler.finishing() {
             {
                 let mut emit = |env: Assembled| batch.take(env, resume, log, stream, stats, hooks);
-                match assembler.emit_next(&mut emit) {
-                    Ok(_) => {}
-                    Err(AssembleOrSink::Sink(e)) => return Err(e),
-                    Err(AssembleOrSink::Assembly(e)) => {
-                        // As for a refused message below: what came before
-                        // is whole; keep it.
-                        batch.flush(log, stream, stats, hooks).await?;
-                        stream.send_status().await?;
-                        return Err(e.into());
-                    }
+                if let Err(e) = assembler.emit_next(&mut emit) {
+                    let e = match e {
+                        AssembleOrSink::Assembly(e) => e.into(),
+                        AssembleOrSink::Sink(e) => e,
+                    };
+                    return Err(batch.stop_at(e, log, stream, stats, hooks).await);
                 }
             }
             batch.write(log, stream, stats)?;
@@ -594,18 +590,8 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                 stats,
             };
             let relation = matches!(&ev, ReplicationEvent::XLogData { data, .. } if data.first() == Some(&b'R'));
-            match handle_event(ev, config, &mut state, log, stream, hooks).await {
-                Ok(()) => {}
-                Err(e @ (CaptureError::Assembly(_) | CaptureError::Decode(_))) => {
-                    // Capture stops here (fail closed), but everything
-                    // assembled before the refused message is whole and
-                    // committed: make it durable and say so, or every rerun
-                    // would lose it again at the same place.
-                    batch.flush(log, stream, stats, hooks).await?;
-                    stream.send_status().await?;
-                    return Err(e);
-                }
-                Err(e) => return Err(e),
+            if let Err(e) = handle_event(ev, config, &mut state, log, stream, hooks).await {
+                return Err(batch.stop_at(e, log, stream, stats, hooks).await);
             }
             if relation && assembler.pinned().len() > pins_stored {
                 store_pins(log, assembler.pinned())?;
@@ -781,6 +767,30 @@ impl Batch {
             stream.set_durable(idle);
         }
         Ok(())
+    }
+
+    /// The error capture stops with. A refused message (fail closed) stops
+    /// it, but everything assembled before it is whole and committed: that
+    /// is made durable and acknowledged first, or every rerun would lose it
+    /// again at the same place.
+    async fn stop_at<S: Storage>(
+        &mut self,
+        error: CaptureError,
+        log: &Log<S>,
+        stream: &mut impl SourceStream,
+        stats: &mut CaptureStats,
+        hooks: &dyn CrashHooks,
+    ) -> CaptureError {
+        if !matches!(error, CaptureError::Assembly(_) | CaptureError::Decode(_)) {
+            return error;
+        }
+        if let Err(e) = self.flush(log, stream, stats, hooks).await {
+            return e;
+        }
+        match stream.send_status().await {
+            Ok(()) => error,
+            Err(e) => e.into(),
+        }
     }
 
     /// Writes everything and returns once all of it is durable and
