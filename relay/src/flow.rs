@@ -426,9 +426,13 @@ pub async fn run_watched<W: Watch>(
                 None => log.written_end(),
                 Some(_) => log.next_offset(),
             };
-            let persist = |applier: &mut Applier| match &kafka {
-                None => applier.persist_cursor(&log),
-                Some((_, feed)) => applier.persist_cursor(feed),
+            // `when_due`: only once the cursor is due (it costs a durable
+            // target commit when the last ones were asynchronous).
+            let persist = async |applier: &mut Applier, when_due: bool| match (&kafka, when_due) {
+                (None, false) => applier.persist_cursor(&log).await,
+                (None, true) => applier.persist_cursor_when_due(&log).await,
+                (Some((_, feed)), false) => applier.persist_cursor(feed).await,
+                (Some((_, feed)), true) => applier.persist_cursor_when_due(feed).await,
             };
             loop {
                 let seen = horizon();
@@ -440,9 +444,9 @@ pub async fn run_watched<W: Watch>(
                         applier.apply_log_with(feed, &crate::crash::NoCrash).await?
                     }
                 };
-                // Idle: what the cursor has not persisted yet goes now.
+                // Idle: what the cursor has not persisted yet goes once due.
                 if stats.transactions == 0 {
-                    persist(&mut applier)?;
+                    persist(&mut applier, true).await?;
                 }
                 crate::apply::accumulate(&mut total, stats);
                 if finished && let Some((_, feed)) = &kafka {
@@ -465,7 +469,7 @@ pub async fn run_watched<W: Watch>(
                     enforce_retention(&log);
                 }
                 if finished {
-                    persist(&mut applier)?;
+                    persist(&mut applier, false).await?;
                     return Ok(total);
                 }
                 let idle = tokio::time::sleep(IDLE_TICK);

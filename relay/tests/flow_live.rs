@@ -978,7 +978,11 @@ struct ApplierRig {
 
 impl ApplierRig {
     fn new(major: Major) -> Option<Self> {
-        let target = test_cluster(major, &ClusterOptions::new())?;
+        Self::with_target(major, &ClusterOptions::new())
+    }
+
+    fn with_target(major: Major, options: &ClusterOptions) -> Option<Self> {
+        let target = test_cluster(major, options)?;
         target.psql("CREATE TABLE public.sales (id bigint PRIMARY KEY, amount numeric, note text)");
         let dir = tempfile::tempdir().expect("tempdir");
         let (log, _) = trellara_relay::log::Log::open(
@@ -1143,6 +1147,93 @@ fn chunked_transactions_apply_chunk_by_chunk_and_cut_runs_never_land_on(major: M
     assert_eq!(
         target.psql_value("SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = 't'"),
         "0/80000000"
+    );
+}
+
+#[test]
+fn a_target_crash_loses_only_commits_the_log_delivers_again() {
+    on_every_major(a_target_crash_loses_only_commits_the_log_delivers_again_on);
+}
+
+/// Between two persists of its cursor the applier commits asynchronously.
+/// A crash of the target server undoes those commits, and the log, whose
+/// cursor has not passed them, delivers them again: nothing is lost, each
+/// counted once. After `persist_cursor` (a durable commit first) a crash
+/// loses nothing. The walwriter is slowed to 10 s so the undone commits
+/// really are undone.
+fn a_target_crash_loses_only_commits_the_log_delivers_again_on(major: Major) {
+    let options = ClusterOptions::new().setting("wal_writer_delay", "10s");
+    let Some(mut rig) = ApplierRig::with_target(major, &options) else {
+        return;
+    };
+    let lazy = |rig: &ApplierRig| {
+        rig.applier()
+            .with_cursor_every(std::time::Duration::from_secs(3600))
+    };
+    let commit = |n: i64| 0x1000_0000u64 + n as u64 * 0x1000;
+    let arrive = |rig: &ApplierRig,
+                  applier: &mut trellara_relay::apply::Applier,
+                  ids: std::ops::RangeInclusive<i64>| {
+        for id in ids {
+            rig.log
+                .append(commit(id), &sales_chunk(commit(id), 0, 1, id))
+                .expect("append");
+            let stats = rig.rt.block_on(applier.apply_log(&rig.log)).expect("apply");
+            assert_eq!(stats.transactions, 1, "one target commit per transaction");
+        }
+    };
+    let cursor = |rig: &ApplierRig| {
+        rig.log
+            .cursor(&trellara_relay::apply::cursor_name("t"))
+            .map(|c| c.next_offset)
+    };
+    let rows = |rig: &ApplierRig| rig.target.psql_value("SELECT count(*) FROM public.sales");
+
+    // The session's first commit is durable and persists the cursor; the
+    // next 29 are asynchronous.
+    let mut applier = lazy(&rig);
+    arrive(&rig, &mut applier, 1..=30);
+    assert_eq!(rows(&rig), "30");
+    assert_eq!(
+        cursor(&rig),
+        Some(1),
+        "only the first commit persisted the cursor"
+    );
+    drop(applier);
+    rig.target.crash_restart().expect("crash the target");
+    let survived: i64 = rows(&rig).parse().expect("count");
+    assert!(
+        (1..30).contains(&survived),
+        "the crash undid the asynchronous commits ({survived} of 30 rows survived)"
+    );
+    assert_eq!(
+        rig.target.psql_value("SELECT commit_lsn = ('0/' || to_hex(max(id) * 4096 + 268435456))::pg_lsn FROM public.sales, trellara.checkpoints WHERE flow = 't' GROUP BY commit_lsn"),
+        "t",
+        "rows and checkpoint were undone together"
+    );
+
+    // A new session starts at the cursor: the lost tail comes again.
+    let mut applier = lazy(&rig);
+    let stats = rig.rt.block_on(applier.apply_log(&rig.log)).expect("apply");
+    assert_eq!(
+        (stats.transactions as i64, stats.duplicates_skipped as i64),
+        (30 - survived, survived - 1),
+        "the lost commits applied again, the surviving ones skipped and counted"
+    );
+    assert_eq!(rows(&rig), "30");
+
+    // Persisting the cursor makes what it passes durable first.
+    arrive(&rig, &mut applier, 31..=40);
+    rig.rt
+        .block_on(applier.persist_cursor(&rig.log))
+        .expect("persist");
+    assert_eq!(cursor(&rig), Some(rig.log.next_offset()));
+    drop(applier);
+    rig.target.crash_restart().expect("crash the target");
+    assert_eq!(rows(&rig), "40", "nothing the cursor passed was lost");
+    assert_eq!(
+        rig.target.psql_value("SELECT transactions || '/' || duplicates_skipped FROM trellara.checkpoints WHERE flow = 't'"),
+        format!("40/{}", survived - 1)
     );
 }
 

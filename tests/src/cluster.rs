@@ -389,6 +389,17 @@ impl Cluster {
 
     /// Restarts the server (`pg_ctl restart -m fast`) on the same port and data dir.
     pub fn restart(&mut self) -> Result<(), ClusterError> {
+        self.restart_mode("fast")
+    }
+
+    /// Crashes the server and starts it again (`pg_ctl restart -m
+    /// immediate`): WAL it had not flushed is gone, as after a power loss,
+    /// and the server runs crash recovery.
+    pub fn crash_restart(&mut self) -> Result<(), ClusterError> {
+        self.restart_mode("immediate")
+    }
+
+    fn restart_mode(&mut self, mode: &str) -> Result<(), ClusterError> {
         let data = self.data_dir();
         let log = self.log_path();
         let mut cmd = self.owner_command(&self.install.bin("pg_ctl"));
@@ -397,7 +408,7 @@ impl Cluster {
             .arg(&data)
             .arg("-l")
             .arg(&log)
-            .args(["-m", "fast", "-w", "-t", PG_CTL_TIMEOUT_SECS]);
+            .args(["-m", mode, "-w", "-t", PG_CTL_TIMEOUT_SECS]);
         run(cmd, "pg_ctl restart")?;
         Ok(())
     }

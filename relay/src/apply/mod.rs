@@ -67,6 +67,8 @@ pub enum TargetError {
     Postgres(#[from] tokio_postgres::Error),
     #[error("simulated target failure: {0}")]
     Simulated(String),
+    #[error("could not make the applied transactions durable: {0}")]
+    Durability(String),
 }
 
 impl From<tokio_postgres::Error> for ApplyError {
@@ -129,7 +131,16 @@ pub struct QuarantineRecord<'a> {
 /// `quarantine` runs outside one (after the rollback).
 #[allow(async_fn_in_trait)] // used on one task; no Send bound needed
 pub trait Target {
-    async fn begin(&mut self) -> Result<(), Refusal>;
+    /// Opens a target transaction. `durable`: its commit returns once the
+    /// target made it durable. Otherwise it commits asynchronously, as
+    /// PostgreSQL's own apply worker does, and a crash of the target
+    /// server may undo it: the log still holds it, because the cursor
+    /// moves past a commit only once a durable one follows it.
+    async fn begin(&mut self, durable: bool) -> Result<(), Refusal>;
+    /// Makes every commit of this session so far durable, outside a
+    /// transaction. False when it could not (nothing of the flow's to
+    /// write): the cursor then stays where it is.
+    async fn make_durable(&mut self, flow: &str) -> Result<bool, Refusal>;
     /// Best effort: the session may be gone, which rolls back too.
     async fn rollback(&mut self);
     /// Answers the checkpoint lock later: statements sent behind it do not
@@ -200,6 +211,8 @@ pub struct Applier<T: Target = PgTarget> {
     /// unknown, read it lock first).
     known_checkpoint: Option<Option<Lsn>>,
     cursor: LazyCursor,
+    /// Whether the open (or last) target transaction commits durably.
+    began_durable: bool,
     /// The next target transaction, opened while its source transaction
     /// was still arriving ([`open_ahead`](Applier::open_ahead)).
     opened: Option<Opened<T::Lock>>,
@@ -218,12 +231,32 @@ struct Opened<L> {
 /// So it is persisted at most every `every` (two fsyncs each on the local
 /// log): a crash costs the redelivery of what came after, which the
 /// checkpoint skips and counts.
+///
+/// Between two persists the target commits asynchronously; the commit
+/// that makes the cursor due is durable, and so is everything before it
+/// (the target flushes in order). A target crash can thus lose only
+/// commits the cursor has not passed, which the log delivers again.
 #[derive(Debug, Default)]
 struct LazyCursor {
     every: Duration,
-    /// The last applied record not yet persisted: (offset, commit LSN).
-    unpersisted: Option<(u64, u64)>,
+    /// The last applied record not yet persisted.
+    unpersisted: Option<Unpersisted>,
     persisted_at: Option<std::time::Instant>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Unpersisted {
+    offset: u64,
+    commit_lsn: u64,
+    /// The target commit through it is durable.
+    durable: bool,
+}
+
+impl LazyCursor {
+    fn due(&self) -> bool {
+        self.persisted_at
+            .is_none_or(|at| at.elapsed() >= self.every)
+    }
 }
 
 impl<T: Target> std::fmt::Debug for Applier<T> {
@@ -482,6 +515,8 @@ pub(crate) mod mutation {
         pub(crate) static IGNORE_CHECKPOINT: Cell<bool> = const { Cell::new(false) };
         /// Commit records read early without waiting until they are durable.
         pub(crate) static COMMIT_BEFORE_DURABLE: Cell<bool> = const { Cell::new(false) };
+        /// Persist the cursor past asynchronous target commits as they are.
+        pub(crate) static PERSIST_UNDURABLE: Cell<bool> = const { Cell::new(false) };
     }
 }
 
@@ -511,6 +546,7 @@ impl<T: Target> Applier<T> {
             patience: None,
             known_checkpoint: None,
             cursor: LazyCursor::default(),
+            began_durable: true,
             opened: None,
         }
     }
@@ -525,13 +561,20 @@ impl<T: Target> Applier<T> {
         let Some(assumed) = self.known_checkpoint else {
             return;
         };
-        if self.opened.is_some() || self.target.begin().await.is_err() {
+        if self.opened.is_some() || self.begin().await.is_err() {
             return;
         }
         match self.target.send_lock_checkpoint(&self.flow).await {
             Ok(lock) => self.opened = Some(Opened { lock, assumed }),
             Err(_) => self.target.rollback().await,
         }
+    }
+
+    /// Opens a target transaction: a durable one when the cursor is due, so
+    /// the cursor can persist after its commit.
+    async fn begin(&mut self) -> Result<(), Refusal> {
+        self.began_durable = self.cursor.due();
+        self.target.begin(self.began_durable).await
     }
 
     /// Rolls back a transaction opened ahead whose rows did not come.
@@ -562,44 +605,86 @@ impl<T: Target> Applier<T> {
     }
 
     /// Persists the log cursor at most every `every` instead of after each
-    /// target commit (the default); [`persist_cursor`](Self::persist_cursor)
-    /// persists what is left.
+    /// target commit (the default), letting the commits in between be
+    /// asynchronous; [`persist_cursor`](Self::persist_cursor) persists what
+    /// is left.
     pub fn with_cursor_every(mut self, every: Duration) -> Self {
         self.cursor.every = every;
         self
     }
 
-    /// Persists the log cursor where the last target commit left it.
-    pub fn persist_cursor<R: Records>(&mut self, log: &R) -> Result<(), ApplyError> {
-        if let Some((offset, commit_lsn)) = self.cursor.unpersisted.take() {
-            log.applied(&cursor_name(&self.flow), offset, commit_lsn)?;
-            self.cursor.persisted_at = Some(std::time::Instant::now());
+    /// Persists the log cursor where the last target commit left it, first
+    /// making that commit durable if it is not. Call it outside a target
+    /// transaction.
+    pub async fn persist_cursor<R: Records>(&mut self, log: &R) -> Result<(), ApplyError> {
+        let Some(at) = self.cursor.unpersisted else {
+            return Ok(());
+        };
+        #[cfg(test)]
+        let skip = mutation::PERSIST_UNDURABLE.with(std::cell::Cell::get);
+        #[cfg(not(test))]
+        let skip = false;
+        if !at.durable && !skip {
+            // The durable commit goes outside any transaction.
+            self.close_opened().await;
+            let durable = match self.target.make_durable(&self.flow).await {
+                Ok(durable) => durable,
+                Err(Refusal::Transient(e)) => return Err(ApplyError::Target(e)),
+                Err(Refusal::Data(reason)) => {
+                    return Err(ApplyError::Target(TargetError::Durability(reason)));
+                }
+                Err(Refusal::Crashed(point)) => return Err(ApplyError::Crashed(point)),
+                Err(Refusal::Undurable(e)) => return Err(*e),
+            };
+            if !durable {
+                tracing::warn!(flow = %self.flow, "the flow's checkpoint row is missing on the target: the log cursor stays where it is");
+                return Ok(());
+            }
+        }
+        self.cursor.unpersisted = None;
+        log.applied(&cursor_name(&self.flow), at.offset, at.commit_lsn)?;
+        self.cursor.persisted_at = Some(std::time::Instant::now());
+        Ok(())
+    }
+
+    /// [`persist_cursor`](Self::persist_cursor) once it is due: an idle
+    /// flow's cursor catches up within `every`.
+    pub async fn persist_cursor_when_due<R: Records>(&mut self, log: &R) -> Result<(), ApplyError> {
+        if self.cursor.due() {
+            self.persist_cursor(log).await?;
         }
         Ok(())
     }
 
     /// After a target commit through `offset`: the cursor moves past it, on
-    /// disk too when it is due.
+    /// disk too when that commit was the durable one of a due cursor.
     fn moved_past<R: Records>(
         &mut self,
         log: &R,
         offset: u64,
         commit_lsn: u64,
     ) -> Result<(), ApplyError> {
-        self.cursor.unpersisted = Some((offset, commit_lsn));
-        let every = self.cursor.every;
-        if self
-            .cursor
-            .persisted_at
-            .is_none_or(|at| at.elapsed() >= every)
-        {
-            self.persist_cursor(log)?;
+        let durable = self.began_durable;
+        self.cursor.unpersisted = Some(Unpersisted {
+            offset,
+            commit_lsn,
+            durable,
+        });
+        if durable {
+            self.cursor.unpersisted = None;
+            log.applied(&cursor_name(&self.flow), offset, commit_lsn)?;
+            self.cursor.persisted_at = Some(std::time::Instant::now());
         }
         Ok(())
     }
 
     pub fn target(&self) -> &T {
         &self.target
+    }
+
+    /// The simulator inspects its target between rounds.
+    pub(crate) fn target_mut(&mut self) -> &mut T {
+        &mut self.target
     }
 
     pub fn into_target(self) -> T {
@@ -618,7 +703,7 @@ impl<T: Target> Applier<T> {
         // Ahead of the persisted cursor, the applier goes on from where it
         // is; otherwise the cursor says (it may have been moved).
         let start = match self.cursor.unpersisted {
-            Some((offset, _)) => offset + 1,
+            Some(at) => at.offset + 1,
             None => log.start(&name)?,
         };
         let mut stats = ApplyStats::default();
@@ -813,7 +898,7 @@ impl<T: Target> Applier<T> {
         let lock = match self.take_opened(assumed).await {
             Some(lock) => Ok(lock),
             None => {
-                self.target.begin().await?;
+                self.begin().await?;
                 self.target.send_lock_checkpoint(&self.flow).await
             }
         };
@@ -942,7 +1027,7 @@ impl<T: Target> Applier<T> {
         let commit = first.commit_lsn;
         let xid = first.xid;
         let mut tentative = ApplyStats::default();
-        let began = self.target.begin().await;
+        let began = self.begin().await;
         let mut current = first;
         let outcome = async {
             began?;

@@ -10,6 +10,10 @@
 //! resolution and `COMMIT` go together. If a pipelined statement fails, the
 //! server turns the `COMMIT` behind it into a rollback, so nothing
 //! half-settled commits.
+//!
+//! A target transaction commits asynchronously unless the applier asks for
+//! a durable one ([`Target::begin`]); the `SET LOCAL` rides in the `BEGIN`
+//! message, so it costs no round trip.
 
 use super::{QuarantineRecord, Refusal, Settle, Target, TargetError};
 use std::collections::HashMap;
@@ -82,9 +86,9 @@ pub struct PgTarget {
     client: Arc<Client>,
     tables: HashMap<String, TargetTable>,
     statements: HashMap<String, Statement>,
-    /// `begin` was called and `BEGIN` is not sent yet: it goes with the
-    /// next statement.
-    begin_pending: bool,
+    /// `begin` was called and its `BEGIN` is not sent yet: it goes with
+    /// the next statement.
+    begin_pending: Option<&'static str>,
     copy: Option<OpenCopy>,
 }
 
@@ -108,6 +112,8 @@ const UPSERT_CHECKPOINT: &str = "INSERT INTO trellara.checkpoints AS c (flow, so
         updated_at = now()";
 const COUNT_DUPLICATES: &str =
     "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + $2 WHERE flow = $1";
+/// A write for [`Target::make_durable`] to flush.
+const TOUCH_CHECKPOINT: &str = "UPDATE trellara.checkpoints SET updated_at = now() WHERE flow = $1";
 const RESOLVE_QUARANTINE: &str = "UPDATE trellara.quarantine SET resolved_at = now()
      WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL";
 
@@ -135,7 +141,7 @@ impl PgTarget {
             client: Arc::new(client),
             tables: HashMap::new(),
             statements: HashMap::new(),
-            begin_pending: false,
+            begin_pending: None,
             copy: None,
         }
     }
@@ -144,8 +150,8 @@ impl PgTarget {
     /// and sends a `BEGIN` still held back by [`Target::begin`].
     async fn open(&mut self) -> Result<(), Refusal> {
         self.end_copy().await?;
-        if std::mem::take(&mut self.begin_pending) {
-            self.client.batch_execute("BEGIN").await?;
+        if let Some(begin) = self.begin_pending.take() {
+            self.client.batch_execute(begin).await?;
         }
         Ok(())
     }
@@ -286,18 +292,42 @@ impl PgTarget {
 }
 
 impl Target for PgTarget {
-    async fn begin(&mut self) -> Result<(), Refusal> {
+    /// One message either way: the `SET LOCAL` costs the target no extra
+    /// reply. `on` also for a role whose default is `off`, so a durable
+    /// commit is one whatever the role says.
+    async fn begin(&mut self, durable: bool) -> Result<(), Refusal> {
         // A COPY left by a transaction that never ended (a simulated crash
         // keeps the session) is aborted, not continued.
         self.copy = None;
-        self.begin_pending = true;
+        self.begin_pending = Some(if durable {
+            "BEGIN; SET LOCAL synchronous_commit TO on"
+        } else {
+            "BEGIN; SET LOCAL synchronous_commit TO off"
+        });
         Ok(())
+    }
+
+    /// A durable commit that writes: PostgreSQL flushes its WAL in order,
+    /// so it makes every earlier commit of this session durable too. (A
+    /// transaction that writes nothing flushes nothing.)
+    async fn make_durable(&mut self, flow: &str) -> Result<bool, Refusal> {
+        self.end_copy().await?;
+        let statement = self.prepared(TOUCH_CHECKPOINT).await?;
+        let client = &self.client;
+        let params: [&(dyn ToSql + Sync); 1] = [&flow];
+        let (_, touched, ()) = tokio::try_join!(
+            biased;
+            client.batch_execute("BEGIN; SET LOCAL synchronous_commit TO on"),
+            client.execute(&statement, &params),
+            client.batch_execute("COMMIT")
+        )?;
+        Ok(touched == 1)
     }
 
     async fn rollback(&mut self) {
         // Dropping the sink aborts the COPY (CopyFail).
         self.copy = None;
-        if std::mem::take(&mut self.begin_pending) {
+        if self.begin_pending.take().is_some() {
             return;
         }
         // The session may be gone (a transient refusal), or a pipelined
@@ -311,15 +341,15 @@ impl Target for PgTarget {
     async fn send_lock_checkpoint(&mut self, flow: &str) -> Result<Self::Lock, Refusal> {
         self.end_copy().await?;
         let statement = self.prepared(LOCK_CHECKPOINT).await?;
-        let begin = std::mem::take(&mut self.begin_pending);
+        let begin = self.begin_pending.take();
         let client = Arc::clone(&self.client);
         let flow = flow.to_owned();
         let mut lock: Self::Lock = Box::pin(async move {
             let ((), row) = tokio::try_join!(
                 biased;
                 async {
-                    if begin {
-                        client.batch_execute("BEGIN").await?;
+                    if let Some(begin) = begin {
+                        client.batch_execute(begin).await?;
                     }
                     Ok(())
                 },

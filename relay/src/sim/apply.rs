@@ -67,6 +67,10 @@ pub(crate) enum ApplyFault {
     /// holds its rows (it reads written records early); the relay dies,
     /// the unsynced records are lost, and the source sends them again.
     LogFsyncFails,
+    /// The applier persists its cursor lazily and commits asynchronously
+    /// in between; the target server crashes after the k-th commit and
+    /// comes back without what it had not made durable.
+    TargetServerCrash,
 }
 
 /// What one simulated history did.
@@ -271,6 +275,9 @@ fn durable_commit(log: &Log<SimStorage>) -> u64 {
 /// Runs one history of the applier with `fault`. Err names the broken
 /// invariant and the seed that replays it.
 pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, String> {
+    if fault == ApplyFault::TargetServerCrash {
+        return server_crash_history(seed);
+    }
     let mut rng = Rng(seed ^ 0x00A1_1CE5);
     let txns = workload(&mut rng, fault);
     let records = log_records(&txns, fault);
@@ -497,6 +504,89 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
     if via_topic {
         check_topic(seed, &topic, &records, &target.committed)?;
     }
+    Ok(history)
+}
+
+/// An applier as `trellara run` sets it up: the cursor persisted at most
+/// every hour here, so the commits in between are asynchronous.
+fn lazy(target: SimTarget) -> Applier<SimTarget> {
+    Applier::with_target(target, "sim", "sim", "trellara.yml")
+        .with_cursor_every(std::time::Duration::from_secs(3600))
+}
+
+/// TA-13. Transactions arrive one at a time and each is applied at once
+/// (one target commit each, as under a paced source); after some, the
+/// applier persists its cursor as an idle one does. The target server
+/// crashes after a seeded commit, undoing its asynchronous commits since
+/// the last durable one; the applier reconnects as a new session and
+/// starts again from its persisted cursor.
+fn server_crash_history(seed: u64) -> Result<ApplyHistory, String> {
+    let fault = ApplyFault::TargetServerCrash;
+    let mut rng = Rng(seed ^ 0x5E4C_0DE5);
+    let txns = workload(&mut rng, fault);
+    let storage = SimStorage::new(seed);
+    let (log, _) = Log::open(storage, "/log", sim_log_config())
+        .map_err(|e| format!("seed {seed}: open the log: {e}"))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    let mut db = Db::default();
+    db.tables.insert(TABLE.into(), Table::new());
+    let mut target = SimTarget::new(db);
+    target.faults.server_crash = Some(2 + rng.below(txns.len() as u64 - 1) as u32);
+    let mut applier = lazy(target);
+    let mut history = ApplyHistory {
+        transactions: txns.len(),
+        ..ApplyHistory::default()
+    };
+    let mut arrived = 0;
+    loop {
+        history.rounds += 1;
+        if history.rounds > 2 * txns.len() as u32 + 5 {
+            return Err(format!(
+                "seed {seed}: no progress after {} rounds",
+                history.rounds - 1
+            ));
+        }
+        if arrived < txns.len() {
+            let txn = &txns[arrived];
+            log.append_batch(txn.records.iter().map(|r| (txn.commit, r.as_slice())))
+                .map_err(|e| format!("seed {seed}: append: {e}"))?;
+            arrived += 1;
+        }
+        let result = runtime.block_on(applier.apply_log_with(&log, &CrashOnce::never()));
+        let result = match result {
+            Ok(stats) if rng.below(3) == 0 => runtime
+                .block_on(applier.persist_cursor(&log))
+                .map(|()| stats),
+            other => other,
+        };
+        let when = format!("round {}", history.rounds);
+        for db in std::mem::take(&mut applier.target_mut().observed) {
+            check_state(seed, &txns, &db, None, &when)?;
+        }
+        match result {
+            Ok(stats) => {
+                history.duplicates += stats.duplicates_skipped;
+                if arrived == txns.len() {
+                    break;
+                }
+            }
+            // The server went away with the session: a new session.
+            Err(ApplyError::Target(_)) => {
+                history.faults += 1;
+                let target = applier.into_target();
+                check_state(seed, &txns, &target.committed, None, "after the crash")?;
+                applier = lazy(target);
+            }
+            Err(e) => return Err(format!("seed {seed}: the applier failed: {e}")),
+        }
+    }
+    runtime
+        .block_on(applier.persist_cursor(&log))
+        .map_err(|e| format!("seed {seed}: persist: {e}"))?;
+    let target = applier.into_target();
+    finish(seed, &txns, fault, &target.committed, &history)?;
     Ok(history)
 }
 
@@ -754,6 +844,25 @@ mod tests {
         caught(&mutation::COMMIT_BEFORE_DURABLE, ApplyFault::LogFsyncFails);
     }
 
+    /// The mutation check: persisting the cursor past asynchronous target
+    /// commits without making them durable first loses them when the
+    /// target server crashes (the log has moved on). It takes a persist
+    /// between asynchronous commits and the crash.
+    #[test]
+    fn persisting_past_undurable_commits_is_caught() {
+        let fault = ApplyFault::TargetServerCrash;
+        let fired = (0..40u64)
+            .filter(|&seed| history(seed, fault).is_ok_and(|h| h.faults > 0))
+            .count();
+        assert!(fired >= 35, "the crash fired in {fired} of 40 histories");
+        mutation::PERSIST_UNDURABLE.with(|m| m.set(true));
+        let failed = (0..40u64)
+            .filter(|&seed| history(seed, fault).is_err())
+            .count();
+        mutation::PERSIST_UNDURABLE.with(|m| m.set(false));
+        assert!(failed >= 25, "only {failed} of 40 histories noticed");
+    }
+
     /// An applier that persists its cursor lazily leaves it behind the
     /// target; a crash then costs only redeliveries, which the checkpoint
     /// skips and counts. `persist_cursor` catches it up.
@@ -813,7 +922,9 @@ mod tests {
             cursor(&log) < Some(log.next_offset()),
             "only the session's first commit persisted the cursor"
         );
-        again.persist_cursor(&log).expect("persist");
+        runtime
+            .block_on(again.persist_cursor(&log))
+            .expect("persist");
         assert_eq!(cursor(&log), Some(log.next_offset()));
         let target = again.into_target();
         check_state(3, &txns, &target.committed, None, "at the end").expect("state");

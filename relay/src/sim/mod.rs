@@ -311,7 +311,7 @@ macro_rules! target {
 }
 
 /// The matrix as built so far.
-pub const SCENARIOS: [Scenario; 46] = [
+pub const SCENARIOS: [Scenario; 47] = [
     relay_crash!(
         "SS-01",
         ReceivedNotAppended,
@@ -516,6 +516,13 @@ pub const SCENARIOS: [Scenario; 46] = [
         TARGET_RECOVERY,
         "the log's fsync fails while the applier has a batch's rows on the target (it reads written records early)",
         "nothing commits before the log holds it durably: the target shows none of it, the re-sent transactions apply once"
+    ),
+    target!(
+        "TA-13",
+        ApplyFault::TargetServerCrash,
+        TARGET_RECOVERY,
+        "target server crash undoing its asynchronous commits (the cursor persisted lazily in between)",
+        "the cursor never passes a commit the target could lose: the lost tail is applied again, once"
     ),
     target!(
         "TA-10",

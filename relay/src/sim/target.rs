@@ -1,8 +1,9 @@
 //! An in-memory target database for the simulator: tables keyed by their
 //! replica identity, the flow's checkpoint row and quarantine records, with
 //! real transaction semantics (a transaction works on a copy that replaces
-//! the committed state at COMMIT, and vanishes on rollback or crash) and
-//! seeded faults at COMMIT and at the checkpoint write. Every committed
+//! the committed state at COMMIT, and vanishes on rollback or crash),
+//! asynchronous commits a server crash undoes, and seeded faults at COMMIT
+//! and at the checkpoint write. Every committed
 //! state is kept, so the simulator can check what a concurrent reader could
 //! have observed at each commit.
 
@@ -55,12 +56,20 @@ pub(crate) struct TargetFaults {
     pub commit_lost: Option<(u32, bool)>,
     /// The n-th checkpoint write fails (disk full).
     pub checkpoint_fails: Option<u32>,
+    /// The server crashes right after the n-th COMMIT (its reply lost),
+    /// undoing what it had committed asynchronously.
+    pub server_crash: Option<u32>,
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct SimTarget {
     pub committed: Db,
+    /// What a server crash leaves when asynchronous commits followed the
+    /// last durable one (None: everything committed is durable).
+    durable: Option<Db>,
     open: Option<Db>,
+    /// The open transaction commits durably.
+    open_durable: bool,
     pub faults: TargetFaults,
     commits: u32,
     settles: u32,
@@ -193,28 +202,56 @@ impl SimTarget {
             .take()
             .ok_or_else(|| data("no transaction".into()))?;
         self.commits += 1;
-        if let Some((nth, applied)) = self.faults.commit_lost
-            && self.commits == nth
-        {
+        let lost = self
+            .faults
+            .commit_lost
+            .filter(|&(nth, _)| nth == self.commits)
+            .map(|(_, applied)| applied);
+        if lost == Some(false) {
             self.fired += 1;
-            if applied {
-                self.committed = db;
-                self.observed.push(self.committed.clone());
-            }
             return Err(Refusal::Transient(TargetError::Simulated(
                 "connection lost during COMMIT".into(),
             )));
         }
+        if self.open_durable {
+            self.durable = None;
+        } else if self.durable.is_none() {
+            self.durable = Some(self.committed.clone());
+        }
         self.committed = db;
         self.observed.push(self.committed.clone());
+        if self.faults.server_crash == Some(self.commits) {
+            self.fired += 1;
+            if let Some(durable) = self.durable.take() {
+                self.committed = durable;
+            }
+            return Err(Refusal::Transient(TargetError::Simulated(
+                "server closed the connection unexpectedly".into(),
+            )));
+        }
+        if lost == Some(true) {
+            self.fired += 1;
+            return Err(Refusal::Transient(TargetError::Simulated(
+                "connection lost during COMMIT".into(),
+            )));
+        }
         Ok(())
     }
 }
 
 impl Target for SimTarget {
-    async fn begin(&mut self) -> Result<(), Refusal> {
+    async fn begin(&mut self, durable: bool) -> Result<(), Refusal> {
         self.open = Some(self.committed.clone());
+        self.open_durable = durable;
         Ok(())
+    }
+
+    async fn make_durable(&mut self, _flow: &str) -> Result<bool, Refusal> {
+        if self.committed.checkpoint.is_none() {
+            return Ok(false);
+        }
+        self.durable = None;
+        Ok(true)
     }
 
     async fn settle_and_commit(
