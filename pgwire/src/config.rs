@@ -23,6 +23,8 @@ pub enum SslMode {
 
 #[derive(Clone)]
 pub struct ConnectOptions {
+    /// A host name or address, or (starting with `/`) the directory of the
+    /// server's Unix socket, as in libpq.
     pub host: String,
     pub port: u16,
     pub user: String,
@@ -54,7 +56,18 @@ impl std::fmt::Debug for ConnectOptions {
 impl ConnectOptions {
     /// `host:port/dbname` for messages; no credentials.
     pub fn target(&self) -> String {
-        format!("{}:{}/{}", self.host, self.port, self.dbname)
+        match self.unix_socket() {
+            Some(socket) => format!("{}/{}", socket.display(), self.dbname),
+            None => format!("{}:{}/{}", self.host, self.port, self.dbname),
+        }
+    }
+
+    /// The socket file, when `host` names a socket directory
+    /// (`<dir>/.s.PGSQL.<port>`, libpq's convention).
+    pub fn unix_socket(&self) -> Option<PathBuf> {
+        self.host
+            .starts_with('/')
+            .then(|| PathBuf::from(&self.host).join(format!(".s.PGSQL.{}", self.port)))
     }
 }
 
@@ -70,10 +83,19 @@ impl FromStr for ConnectOptions {
         })?;
         let host = match config.get_hosts() {
             [tokio_postgres::config::Host::Tcp(h)] => h.clone(),
+            [tokio_postgres::config::Host::Unix(dir)] if dir.is_absolute() => {
+                dir.to_string_lossy().into_owned()
+            }
+            [tokio_postgres::config::Host::Unix(dir)] => {
+                return Err(WireError::Config(format!(
+                    "the Unix socket directory {} is not an absolute path",
+                    dir.display()
+                )));
+            }
             [] => "localhost".to_owned(),
             _ => {
                 return Err(WireError::Config(
-                    "exactly one TCP host is supported (no Unix sockets, no host lists)".into(),
+                    "exactly one host is supported (no host lists)".into(),
                 ));
             }
         };
@@ -89,6 +111,17 @@ impl FromStr for ConnectOptions {
                 tokio_postgres::config::SslMode::Require => SslMode::Require,
                 _ => SslMode::Prefer,
             },
+        };
+        // PostgreSQL offers no TLS on a Unix socket: preferring it means
+        // going without, requiring it cannot be met.
+        let ssl_mode = match (host.starts_with('/'), ssl_mode) {
+            (false, mode) => mode,
+            (true, SslMode::Disable | SslMode::Prefer) => SslMode::Disable,
+            (true, _) => {
+                return Err(WireError::Config(format!(
+                    "sslmode requires TLS, which PostgreSQL does not offer on the Unix socket in {host}; use a TCP host for TLS, or drop sslmode"
+                )));
+            }
         };
         Ok(ConnectOptions {
             host,
@@ -182,6 +215,34 @@ mod tests {
                 .parse()
                 .expect("parses");
         assert_eq!((kv.port, kv.ssl_mode), (5433, SslMode::Disable));
+    }
+
+    #[test]
+    fn a_socket_directory_is_a_unix_socket_without_tls() {
+        for url in [
+            "postgresql://trellara@%2Fvar%2Frun%2Fpostgresql:5433/shop",
+            "postgresql://trellara@/shop?host=/var/run/postgresql&port=5433",
+            "host=/var/run/postgresql port=5433 user=trellara dbname=shop",
+        ] {
+            let o: ConnectOptions = url.parse().expect(url);
+            assert_eq!(
+                o.unix_socket(),
+                Some(PathBuf::from("/var/run/postgresql/.s.PGSQL.5433")),
+                "{url}"
+            );
+            assert_eq!(o.ssl_mode, SslMode::Disable, "{url}");
+            assert_eq!(o.target(), "/var/run/postgresql/.s.PGSQL.5433/shop");
+        }
+        let tcp: ConnectOptions = "postgresql://u@db/x".parse().expect("tcp");
+        assert_eq!(tcp.unix_socket(), None);
+        let err = "host=/tmp user=u sslmode=require"
+            .parse::<ConnectOptions>()
+            .expect_err("no TLS on a Unix socket");
+        assert!(err.to_string().contains("Unix socket in /tmp"), "{err}");
+        let err = "host=relative/dir user=u"
+            .parse::<ConnectOptions>()
+            .map(|o| o.host);
+        assert!(err.is_err() || err.is_ok_and(|h| !h.starts_with('/')));
     }
 
     #[test]

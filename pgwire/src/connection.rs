@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpStream, UnixStream};
 
 /// Session settings for text that round-trips exactly: ISO dates,
 /// postgres intervals, shortest exact floats, times in UTC (so every
@@ -112,15 +112,27 @@ impl Connection {
             port: options.port,
             source,
         };
-        let tcp = tokio::time::timeout(
-            options.connect_timeout,
-            TcpStream::connect((options.host.as_str(), options.port)),
-        )
-        .await
-        .map_err(|_| connect_err(std::io::ErrorKind::TimedOut.into()))?
-        .map_err(connect_err)?;
-        tcp.set_nodelay(true).map_err(connect_err)?;
-        let io = tls::negotiate(tcp, options).await?;
+        let timed_out = |_| connect_err(std::io::ErrorKind::TimedOut.into());
+        let io: Box<dyn tls::Io> = match options.unix_socket() {
+            // No TLS on a Unix socket (the options refuse to require it).
+            Some(path) => Box::new(
+                tokio::time::timeout(options.connect_timeout, UnixStream::connect(path))
+                    .await
+                    .map_err(timed_out)?
+                    .map_err(connect_err)?,
+            ),
+            None => {
+                let tcp = tokio::time::timeout(
+                    options.connect_timeout,
+                    TcpStream::connect((options.host.as_str(), options.port)),
+                )
+                .await
+                .map_err(timed_out)?
+                .map_err(connect_err)?;
+                tcp.set_nodelay(true).map_err(connect_err)?;
+                tls::negotiate(tcp, options).await?
+            }
+        };
         let mut conn = Connection {
             io,
             rbuf: BytesMut::with_capacity(64 * 1024),

@@ -66,13 +66,12 @@ impl MakeTlsConnect<Socket> for MakeTls {
     type TlsConnect = Connector;
     type Error = io::Error;
 
+    /// tokio-postgres asks for a connector before it knows whether TLS
+    /// will be used, and with an empty name for a Unix socket (where it is
+    /// not): a name that is no TLS name fails only if TLS is attempted.
     fn make_tls_connect(&mut self, domain: &str) -> Result<Connector, io::Error> {
-        let name = ServerName::try_from(domain.to_owned()).map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("host {domain:?} is not a valid TLS name: {e}"),
-            )
-        })?;
+        let name = ServerName::try_from(domain.to_owned())
+            .map_err(|e| format!("host {domain:?} is not a valid TLS name: {e}"));
         Ok(Connector {
             connector: tokio_rustls::TlsConnector::from(Arc::clone(&self.config)),
             name,
@@ -82,7 +81,7 @@ impl MakeTlsConnect<Socket> for MakeTls {
 
 pub struct Connector {
     connector: tokio_rustls::TlsConnector,
-    name: ServerName<'static>,
+    name: Result<ServerName<'static>, String>,
 }
 
 impl std::fmt::Debug for Connector {
@@ -100,7 +99,10 @@ impl TlsConnect<Socket> for Connector {
 
     fn connect(self, stream: Socket) -> Self::Future {
         Box::pin(async move {
-            let stream = self.connector.connect(self.name, stream).await?;
+            let name = self
+                .name
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            let stream = self.connector.connect(name, stream).await?;
             Ok(TlsStream(stream))
         })
     }

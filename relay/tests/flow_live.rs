@@ -77,6 +77,11 @@ struct Pair {
 }
 
 fn pair(major: Major) -> Option<Pair> {
+    pair_by(major, |c| c.connection_string("postgres"))
+}
+
+/// A pair whose config reaches both servers by `url`.
+fn pair_by(major: Major, url: impl Fn(&Cluster) -> String) -> Option<Pair> {
     let source = test_cluster(major, &ClusterOptions::new())?;
     let target = test_cluster(major, &ClusterOptions::new())?;
     source.psql(SCHEMA);
@@ -87,9 +92,9 @@ fn pair(major: Major) -> Option<Pair> {
         &[
             "init",
             "--source-database-url",
-            &source.connection_string("postgres"),
+            &url(&source),
             "--target-database-url",
-            &target.connection_string("postgres"),
+            &url(&target),
             "--table",
             "public.orders",
             "--table",
@@ -229,6 +234,58 @@ fn public_loop(major: Major) {
     );
     let status: serde_json::Value = serde_json::from_str(&status).expect("json status");
     assert_eq!(status[0]["last_verify"]["verdict"], "CONVERGED");
+}
+
+#[test]
+fn unix_socket_urls_reach_source_and_target() {
+    on_every_major(unix_socket_urls_reach_source_and_target_on);
+}
+
+/// Both servers named by their socket directory, as local servers with
+/// peer authentication usually are: the replication session, the snapshot,
+/// the applier and verify all go over the Unix sockets. Each URL names a
+/// directory holding only a link `.s.PGSQL.1` to the server's socket, and
+/// port 1, where nothing listens on TCP: the flow can only work through
+/// the sockets.
+fn unix_socket_urls_reach_source_and_target_on(major: Major) {
+    let links = tempfile::tempdir().expect("tempdir");
+    let Some(p) = pair_by(major, |c| {
+        let dir = links.path().join(c.port().to_string());
+        std::fs::create_dir_all(&dir).expect("socket link dir");
+        std::os::unix::fs::symlink(
+            c.socket_dir().join(format!(".s.PGSQL.{}", c.port())),
+            dir.join(".s.PGSQL.1"),
+        )
+        .expect("socket link");
+        format!(
+            "postgresql://postgres@/postgres?host={}&port=1",
+            dir.display()
+        )
+    }) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 20);
+    let pre = ok(
+        &trellara(d, &["preflight", "--config", "trellara.yml"]),
+        "preflight",
+    );
+    assert!(pre.contains("READY"), "{pre}");
+    for (round, first) in [(1, 21), (2, 41)] {
+        let out = ok(
+            &trellara(
+                d,
+                &["run", "--config", "trellara.yml", "--local", "--verify"],
+            ),
+            &format!("run {round}"),
+        );
+        assert!(out.contains("shop CONVERGED"), "{major}: {out}");
+        workload(&p.source, first, 20);
+    }
+    assert_eq!(
+        p.target.psql_value("SELECT count(*) FROM public.orders"),
+        "40"
+    );
 }
 
 #[test]
