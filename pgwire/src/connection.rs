@@ -107,13 +107,16 @@ impl std::fmt::Debug for Connection {
 impl Connection {
     /// Opens a `replication=database` session.
     pub async fn connect(options: &ConnectOptions) -> Result<Connection, WireError> {
+        let socket = options.unix_socket();
         let connect_err = |source| WireError::Connect {
-            host: options.host.clone(),
-            port: options.port,
+            to: match &socket {
+                Some(path) => format!("Unix socket {}", path.display()),
+                None => format!("{}:{}", options.host, options.port),
+            },
             source,
         };
         let timed_out = |_| connect_err(std::io::ErrorKind::TimedOut.into());
-        let io: Box<dyn tls::Io> = match options.unix_socket() {
+        let io: Box<dyn tls::Io> = match &socket {
             // No TLS on a Unix socket (the options refuse to require it).
             Some(path) => Box::new(
                 tokio::time::timeout(options.connect_timeout, UnixStream::connect(path))

@@ -34,10 +34,10 @@ pub use sql_tls::{MakeTls, TlsStream, sql_config};
 pub enum WireError {
     #[error("connection string: {0}")]
     Config(String),
-    #[error("connect to {host}:{port}: {source}")]
+    /// `to`: `host:port`, or the Unix socket's path.
+    #[error("connect to {to}: {source}")]
     Connect {
-        host: String,
-        port: u16,
+        to: String,
         #[source]
         source: std::io::Error,
     },
