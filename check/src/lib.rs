@@ -133,17 +133,35 @@ pub fn redact(text: &str) -> String {
     let mut result = String::with_capacity(out.len());
     let mut words = out.split(' ').peekable();
     while let Some(w) = words.next() {
-        if let Some(v) = w.strip_prefix("password=") {
-            let _ = v;
+        if w.starts_with("password=") {
             result.push_str("password=<redacted>");
         } else {
-            result.push_str(w);
+            result.push_str(&redact_query_password(w));
         }
         if words.peek().is_some() {
             result.push(' ');
         }
     }
     result
+}
+
+/// A URL's `?password=` / `&password=` parameter, redacted.
+fn redact_query_password(word: &str) -> String {
+    let Some(q) = word.find('?') else {
+        return word.to_owned();
+    };
+    let (base, query) = word.split_at(q + 1);
+    let params: Vec<&str> = query
+        .split('&')
+        .map(|p| {
+            if p.starts_with("password=") {
+                "password=<redacted>"
+            } else {
+                p
+            }
+        })
+        .collect();
+    format!("{base}{}", params.join("&"))
 }
 
 #[cfg(test)]
@@ -158,6 +176,10 @@ mod tests {
         assert_eq!(
             super::redact("could not parse postgres://u:p/w?d@h/db: bad"),
             "could not parse postgres://u:<redacted>@h/db: bad"
+        );
+        assert_eq!(
+            super::redact("postgresql://u@/db?host=/run/pg&password=x&port=1"),
+            "postgresql://u@/db?host=/run/pg&password=<redacted>&port=1"
         );
         assert_eq!(
             super::redact("host=h password=x user=u"),

@@ -65,6 +65,9 @@ pub(crate) fn client_config(options: &ConnectOptions) -> Result<rustls::ClientCo
         .map_err(|e| WireError::Tls(e.to_string()))?;
     let mut roots = RootCertStore::empty();
     match &options.ssl_root_cert {
+        // Without TLS (a Unix socket, `sslmode=disable`) the file is not
+        // read, as libpq does not.
+        Some(_) if options.ssl_mode == SslMode::Disable => {}
         Some(path) => {
             let certs = CertificateDer::pem_file_iter(path)
                 .map_err(|e| WireError::Tls(format!("sslrootcert {}: {e}", path.display())))?;

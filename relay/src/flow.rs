@@ -156,16 +156,10 @@ async fn snapshot_pins(target: &Client, flow: &str) -> Result<HashMap<String, u6
         .collect())
 }
 
-/// A URL without its password, for messages.
+/// A connection string without its password, for messages: the URL's
+/// and the key=value form's (`password=`).
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let creds = &url[scheme + 3..at];
-            let user = creds.split(':').next().unwrap_or("");
-            format!("{}{user}:<redacted>{}", &url[..scheme + 3], &url[at..])
-        }
-        _ => url.to_owned(),
-    }
+    trellara_check::redact(url)
 }
 
 /// Source and target URLs of a flow, resolved from their references.
@@ -325,7 +319,7 @@ pub async fn run_watched<W: Watch>(
             crate::config::ConfigIssue::new(
                 format!("flows[{index}].source"),
                 format!("{e}"),
-                "use postgresql://user[:password]@host:port/db".into(),
+                "use postgresql://user[:password]@host:port/db (or ?host=/socket/dir for a Unix socket)".into(),
             )
         })?,
         slot: flow.slot(),

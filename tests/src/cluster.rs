@@ -393,8 +393,8 @@ impl Cluster {
     }
 
     /// Crashes the server and starts it again (`pg_ctl restart -m
-    /// immediate`): WAL it had not flushed is gone, as after a power loss,
-    /// and the server runs crash recovery.
+    /// immediate`): WAL still in its shared buffers (not yet written to the
+    /// OS) is gone, and the server runs crash recovery.
     pub fn crash_restart(&mut self) -> Result<(), ClusterError> {
         self.restart_mode("immediate")
     }

@@ -239,17 +239,10 @@ struct Opened<L> {
 #[derive(Debug, Default)]
 struct LazyCursor {
     every: Duration,
-    /// The last applied record not yet persisted.
-    unpersisted: Option<Unpersisted>,
+    /// The last applied record not yet persisted: (offset, commit LSN).
+    /// Its target commit was asynchronous (a durable one persists at once).
+    unpersisted: Option<(u64, u64)>,
     persisted_at: Option<std::time::Instant>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Unpersisted {
-    offset: u64,
-    commit_lsn: u64,
-    /// The target commit through it is durable.
-    durable: bool,
 }
 
 impl LazyCursor {
@@ -617,14 +610,14 @@ impl<T: Target> Applier<T> {
     /// making that commit durable if it is not. Call it outside a target
     /// transaction.
     pub async fn persist_cursor<R: Records>(&mut self, log: &R) -> Result<(), ApplyError> {
-        let Some(at) = self.cursor.unpersisted else {
+        let Some((offset, commit_lsn)) = self.cursor.unpersisted else {
             return Ok(());
         };
         #[cfg(test)]
         let skip = mutation::PERSIST_UNDURABLE.with(std::cell::Cell::get);
         #[cfg(not(test))]
         let skip = false;
-        if !at.durable && !skip {
+        if !skip {
             // The durable commit goes outside any transaction.
             self.close_opened().await;
             let durable = match self.target.make_durable(&self.flow).await {
@@ -638,11 +631,13 @@ impl<T: Target> Applier<T> {
             };
             if !durable {
                 tracing::warn!(flow = %self.flow, "the flow's checkpoint row is missing on the target: the log cursor stays where it is");
+                // Tried again when due, not at every idle tick.
+                self.cursor.persisted_at = Some(std::time::Instant::now());
                 return Ok(());
             }
         }
         self.cursor.unpersisted = None;
-        log.applied(&cursor_name(&self.flow), at.offset, at.commit_lsn)?;
+        log.applied(&cursor_name(&self.flow), offset, commit_lsn)?;
         self.cursor.persisted_at = Some(std::time::Instant::now());
         Ok(())
     }
@@ -664,16 +659,12 @@ impl<T: Target> Applier<T> {
         offset: u64,
         commit_lsn: u64,
     ) -> Result<(), ApplyError> {
-        let durable = self.began_durable;
-        self.cursor.unpersisted = Some(Unpersisted {
-            offset,
-            commit_lsn,
-            durable,
-        });
-        if durable {
+        if self.began_durable {
             self.cursor.unpersisted = None;
             log.applied(&cursor_name(&self.flow), offset, commit_lsn)?;
             self.cursor.persisted_at = Some(std::time::Instant::now());
+        } else {
+            self.cursor.unpersisted = Some((offset, commit_lsn));
         }
         Ok(())
     }
@@ -703,7 +694,7 @@ impl<T: Target> Applier<T> {
         // Ahead of the persisted cursor, the applier goes on from where it
         // is; otherwise the cursor says (it may have been moved).
         let start = match self.cursor.unpersisted {
-            Some(at) => at.offset + 1,
+            Some((offset, _)) => offset + 1,
             None => log.start(&name)?,
         };
         let mut stats = ApplyStats::default();

@@ -113,7 +113,8 @@ const UPSERT_CHECKPOINT: &str = "INSERT INTO trellara.checkpoints AS c (flow, so
 const COUNT_DUPLICATES: &str =
     "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + $2 WHERE flow = $1";
 /// A write for [`Target::make_durable`] to flush.
-const TOUCH_CHECKPOINT: &str = "UPDATE trellara.checkpoints SET updated_at = now() WHERE flow = $1";
+const TOUCH_CHECKPOINT: &str =
+    "UPDATE trellara.checkpoints SET commit_lsn = commit_lsn WHERE flow = $1";
 const RESOLVE_QUARANTINE: &str = "UPDATE trellara.quarantine SET resolved_at = now()
      WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL";
 

@@ -247,6 +247,10 @@ impl Target for SimTarget {
     }
 
     async fn make_durable(&mut self, _flow: &str) -> Result<bool, Refusal> {
+        // In PostgreSQL its COMMIT would commit an open transaction.
+        if self.open.is_some() {
+            return Err(data("make_durable inside an open transaction".into()));
+        }
         if self.committed.checkpoint.is_none() {
             return Ok(false);
         }
