@@ -980,14 +980,26 @@ fn wal_flush_wakes_us_no_more() {
     }
 }
 
-/// How long to sleep at the end of WAL: short right after activity (low
-/// commit-to-durable latency), longer when idle (low CPU).
+/// How long to sleep at the end of WAL. Where a WAL flush wakes the worker
+/// ([`wal_flush_wakes_us`]) the timeout is only a backstop (stop requests,
+/// idle progress): polling every millisecond there cost five wakes, most of
+/// the worker's CPU, per transaction of a paced source. Elsewhere it is the
+/// poll: short right after activity (low commit-to-durable latency), longer
+/// when idle (low CPU).
 fn idle_timeout(since_activity: Duration) -> Duration {
-    if since_activity < Duration::from_secs(1) {
-        Duration::from_millis(1)
-    } else {
+    if flushes_wake_us() || since_activity >= Duration::from_secs(1) {
         Duration::from_millis(20)
+    } else {
+        Duration::from_millis(1)
     }
+}
+
+/// Whether WAL flushes broadcast to the list [`wal_flush_wakes_us`] joins:
+/// PostgreSQL 16 and later do, unless `max_wal_senders = 0` (then they
+/// wake no walsender, nor this worker).
+fn flushes_wake_us() -> bool {
+    // SAFETY: a GUC read in the worker's own process.
+    !cfg!(feature = "pg15") && unsafe { pg_sys::max_wal_senders } > 0
 }
 
 /// The WAL page reader: `read_local_xlog_page_no_wait`, and at the end of
