@@ -8,6 +8,8 @@ chown trellara:trellara "$work"
 as_pg() { runuser -u trellara -- "$@"; }
 cleanup() {
     local pid
+    # A script's own teardown (a writer to stop) goes first.
+    if declare -F cleanup_first >/dev/null; then cleanup_first; fi
     for pid in "$work"/*/postmaster.pid; do
         [[ -f $pid ]] && as_pg "$BINDIR/pg_ctl" -D "${pid%/postmaster.pid}" stop -m immediate >/dev/null 2>&1 || true
     done
