@@ -12,7 +12,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(err) => {
             // `{:#}` prints the whole context chain: what failed and why.
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", cli::chain(&err));
             ExitCode::from(1)
         }
     }

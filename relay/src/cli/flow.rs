@@ -349,7 +349,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     if !failed.is_empty() {
         for e in &failed[..failed.len() - 1] {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", super::chain(e));
         }
         if let Some(last) = failed.pop() {
             return Err(last);
@@ -406,7 +406,7 @@ pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
     match outcome {
         Ok(code) => Ok(code),
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", super::chain(&err));
             Ok(ExitCode::from(EXIT_ERROR))
         }
     }
@@ -578,7 +578,7 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
     let findings = match outcome {
         Ok(f) => f,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", super::chain(&err));
             return Ok(ExitCode::from(EXIT_ERROR));
         }
     };

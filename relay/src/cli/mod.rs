@@ -87,6 +87,23 @@ pub struct NotBuilt {
     args: Vec<String>,
 }
 
+/// An error and its causes on one line, as `{:#}` prints them, but without
+/// a cause that the error before it already printed (many errors here
+/// print their source and also expose it).
+pub fn chain(err: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if line.is_empty() {
+            line = text;
+        } else if !line.ends_with(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
+}
+
 pub fn init_tracing(verbose: u8) {
     let default = match verbose {
         0 => "warn",
@@ -128,4 +145,26 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         "`trellara {name}` is not built yet; it arrives with {issue}.\n\
          hint: see docs/CLI.md for what is built"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    #[derive(Debug, thiserror::Error)]
+    #[error("connect to /run/pg/.s.PGSQL.1: {source}")]
+    struct Connect {
+        #[source]
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn a_cause_already_printed_is_not_repeated() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
+        let err = anyhow::Error::new(Connect { source: io }).context("preflight flow main");
+        assert_eq!(
+            super::chain(&err),
+            "preflight flow main: connect to /run/pg/.s.PGSQL.1: No such file or directory"
+        );
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(super::chain(&plain), "outer: inner");
+    }
 }

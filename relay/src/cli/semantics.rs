@@ -38,7 +38,7 @@ pub fn run(args: SemanticsArgs) -> anyhow::Result<ExitCode> {
     match observe(&args) {
         Ok(code) => Ok(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", super::chain(&e));
             Ok(ExitCode::from(EXIT_ERROR))
         }
     }
@@ -172,7 +172,10 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
         ),
     }
     if let Some(e) = &stopped {
-        eprintln!("error: the flow stopped during the observation: {e:#}");
+        eprintln!(
+            "error: the flow stopped during the observation: {}",
+            super::chain(e)
+        );
     }
     Ok(match verdict {
         "HALF_APPLIED" => ExitCode::from(EXIT_HALF_APPLIED),
