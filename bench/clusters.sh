@@ -22,3 +22,13 @@ start() { # name port [more server options]
     as_pg "$BINDIR/pg_ctl" -D "$work/$1" -w -l "$work/$1.log" -o "-p $2 -c listen_addresses=127.0.0.1 -c unix_socket_directories=$work -c wal_level=logical -c max_wal_size=4GB ${3:-}" start >/dev/null
 }
 q() { "$PSQL" -qXtA "$1" -c "$2"; }
+# The server options for capture path $1 on major $2: with `native`, the
+# extension is installed first (release build) and preloaded.
+preload_for() {
+    [[ $1 == native ]] || return 0
+    local pgc
+    pgc=$(scripts/pg-env --pg-config "$2")
+    (cd extension && CARGO_TARGET_DIR=${TRELLARA_EXT_TARGET_DIR:-/var/cache/trellara/target-ext} \
+        cargo pgrx install --release --pg-config "$pgc" --no-default-features --features "pg$2" >/dev/null)
+    echo "-c shared_preload_libraries=trellara"
+}

@@ -422,11 +422,14 @@ pub async fn run_watched<W: Watch>(
             };
             // `when_due`: only once the cursor is due (it costs a durable
             // target commit when the last ones were asynchronous).
-            let persist = async |applier: &mut Applier, when_due: bool| match (&kafka, when_due) {
-                (None, false) => applier.persist_cursor(&log).await,
-                (None, true) => applier.persist_cursor_when_due(&log).await,
-                (Some((_, feed)), false) => applier.persist_cursor(feed).await,
-                (Some((_, feed)), true) => applier.persist_cursor_when_due(feed).await,
+            let persist = async |applier: &mut Applier, when_due: bool| {
+                if when_due && !applier.cursor_due() {
+                    return Ok(());
+                }
+                match &kafka {
+                    None => applier.persist_cursor(&log).await,
+                    Some((_, feed)) => applier.persist_cursor(feed).await,
+                }
             };
             loop {
                 let seen = horizon();

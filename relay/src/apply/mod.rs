@@ -642,13 +642,10 @@ impl<T: Target> Applier<T> {
         Ok(())
     }
 
-    /// [`persist_cursor`](Self::persist_cursor) once it is due: an idle
-    /// flow's cursor catches up within `every`.
-    pub async fn persist_cursor_when_due<R: Records>(&mut self, log: &R) -> Result<(), ApplyError> {
-        if self.cursor.due() {
-            self.persist_cursor(log).await?;
-        }
-        Ok(())
+    /// Whether the cursor is due to persist: an idle flow persists it then,
+    /// so it catches up within `every`.
+    pub fn cursor_due(&self) -> bool {
+        self.cursor.due()
     }
 
     /// After a target commit through `offset`: the cursor moves past it, on
