@@ -2,9 +2,11 @@
 //!
 //! tokio-postgres parses everything it knows; the two TLS settings it does
 //! not (`sslmode=verify-ca|verify-full`, `sslrootcert`) are taken out first.
+//! A string that names no host or port is completed as libpq completes it:
+//! `PGHOST` and `PGPORT`, then the server's default socket directory.
 
 use super::WireError;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -75,25 +77,57 @@ impl FromStr for ConnectOptions {
     type Err = WireError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ConnectOptions::parse_with(s, &|key| std::env::var(key).ok(), &|path| path.exists())
+    }
+}
+
+/// Where PostgreSQL servers put their socket when nothing says otherwise:
+/// Debian's and Red Hat's packages, then the upstream build's default.
+const SOCKET_DIRS: [&str; 2] = ["/var/run/postgresql", "/tmp"];
+
+impl ConnectOptions {
+    /// [`FromStr`] with the environment and the file system passed in, so
+    /// the libpq defaults can be tested without touching the process's.
+    fn parse_with(
+        s: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+        exists: &dyn Fn(&Path) -> bool,
+    ) -> Result<Self, WireError> {
         let (rest, ssl_mode, ssl_root_cert) = take_tls_params(s);
         let config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
             WireError::Config(format!(
                 "{e}; expected postgresql://user[:password]@host[:port]/dbname[?sslmode=...] or host=... dbname=..."
             ))
         })?;
+        let port = match config.get_ports().first() {
+            Some(port) => *port,
+            None => match env("PGPORT").filter(|p| !p.is_empty()) {
+                Some(p) => p.parse().map_err(|_| {
+                    WireError::Config(format!(
+                        "PGPORT={p} is not a port number; set it to one (e.g. 5432) or give the port in the URL"
+                    ))
+                })?,
+                None => 5432,
+            },
+        };
         let host = match config.get_hosts() {
-            [tokio_postgres::config::Host::Tcp(h)] => h.clone(),
+            // `postgresql://u@:5433/db` names no host either.
+            [tokio_postgres::config::Host::Tcp(h)] if h.is_empty() => None,
+            [tokio_postgres::config::Host::Tcp(h)] => Some(h.clone()),
             // tokio-postgres takes a host starting with '/' for a socket
             // directory, and nothing else.
-            [tokio_postgres::config::Host::Unix(dir)] => dir.to_string_lossy().into_owned(),
-            [] => "localhost".to_owned(),
+            [tokio_postgres::config::Host::Unix(dir)] => Some(dir.to_string_lossy().into_owned()),
+            [] => None,
             _ => {
                 return Err(WireError::Config(
                     "exactly one host is supported (no host lists)".into(),
                 ));
             }
         };
-        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let host = match host {
+            Some(host) => host,
+            None => default_host(port, env, exists)?,
+        };
         let user = config
             .get_user()
             .ok_or_else(|| WireError::Config("no user given; add user@ to the URL".into()))?
@@ -136,6 +170,29 @@ impl FromStr for ConnectOptions {
             replication: true,
         })
     }
+}
+
+/// The host of a string that names none, as libpq picks it: `PGHOST`,
+/// else the first default socket directory holding the port's socket.
+/// Where no server socket is found, TCP on localhost.
+fn default_host(
+    port: u16,
+    env: &dyn Fn(&str) -> Option<String>,
+    exists: &dyn Fn(&Path) -> bool,
+) -> Result<String, WireError> {
+    if let Some(host) = env("PGHOST").filter(|h| !h.is_empty()) {
+        if host.contains(',') {
+            return Err(WireError::Config(format!(
+                "PGHOST={host} lists several hosts; exactly one is supported: set PGHOST to one host or socket directory, or name the host in the URL"
+            )));
+        }
+        return Ok(host);
+    }
+    Ok(SOCKET_DIRS
+        .into_iter()
+        .find(|dir| exists(&Path::new(dir).join(format!(".s.PGSQL.{port}"))))
+        .unwrap_or("localhost")
+        .to_owned())
 }
 
 /// Removes `sslmode=verify-*` and `sslrootcert=` from a URL query or a
@@ -233,6 +290,75 @@ mod tests {
             .parse::<ConnectOptions>()
             .expect_err("no TLS on a Unix socket");
         assert!(err.to_string().contains("Unix socket in /tmp"), "{err}");
+    }
+
+    #[test]
+    fn a_string_without_host_or_port_takes_libpq_defaults() {
+        let parse = |url: &str, vars: &[(&str, &str)], sockets: &[&str]| {
+            let env = |key: &str| {
+                vars.iter()
+                    .find(|(k, _)| *k == key)
+                    .map(|(_, v)| (*v).to_owned())
+            };
+            let exists = |path: &Path| sockets.iter().any(|s| Path::new(s) == path);
+            ConnectOptions::parse_with(url, &env, &exists)
+        };
+        let target = |url: &str, vars: &[(&str, &str)], sockets: &[&str]| {
+            parse(url, vars, sockets).expect(url).target()
+        };
+        // PGHOST and PGPORT fill in what the string leaves out, in either form.
+        let env = [("PGHOST", "/run/pg"), ("PGPORT", "5433")];
+        for url in [
+            "postgresql://u@/shop",
+            "postgresql://u@:5433/shop",
+            "user=u dbname=shop",
+        ] {
+            assert_eq!(
+                target(url, &env, &[]),
+                "/run/pg/.s.PGSQL.5433/shop",
+                "{url}"
+            );
+        }
+        assert_eq!(
+            target("postgresql://u@/shop", &[("PGHOST", "db.example")], &[]),
+            "db.example:5432/shop"
+        );
+        // What the string names wins over the environment.
+        assert_eq!(
+            target("postgresql://u@db:6000/shop", &env, &[]),
+            "db:6000/shop"
+        );
+        assert_eq!(
+            target("user=u host=h port=7000 dbname=shop", &env, &[]),
+            "h:7000/shop"
+        );
+        // No PGHOST: the default socket directory that holds the port's socket.
+        assert_eq!(
+            target("postgresql://u@/shop", &[], &["/tmp/.s.PGSQL.5432"]),
+            "/tmp/.s.PGSQL.5432/shop"
+        );
+        assert_eq!(
+            target(
+                "postgresql://u@/shop?port=5433",
+                &[],
+                &["/var/run/postgresql/.s.PGSQL.5433", "/tmp/.s.PGSQL.5433"]
+            ),
+            "/var/run/postgresql/.s.PGSQL.5433/shop"
+        );
+        // A socket for another port is not this server's.
+        assert_eq!(
+            target(
+                "postgresql://u@/shop",
+                &[],
+                &["/var/run/postgresql/.s.PGSQL.5433"]
+            ),
+            "localhost:5432/shop"
+        );
+        let err =
+            parse("postgresql://u@/shop", &[("PGPORT", "fifty")], &[]).expect_err("bad PGPORT");
+        assert!(err.to_string().contains("PGPORT=fifty"), "{err}");
+        let err = parse("postgresql://u@/shop", &[("PGHOST", "a,b")], &[]).expect_err("host list");
+        assert!(err.to_string().contains("PGHOST=a,b"), "{err}");
     }
 
     #[test]

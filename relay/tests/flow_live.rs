@@ -43,9 +43,15 @@ fn workload(cluster: &Cluster, first: i64, n: i64) {
 }
 
 fn trellara(dir: &Path, args: &[&str]) -> Output {
+    trellara_with(dir, args, &[])
+}
+
+/// [`trellara`] with environment variables set for it.
+fn trellara_with(dir: &Path, args: &[&str], vars: &[(&str, &Path)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_trellara"))
         .current_dir(dir)
         .args(args)
+        .envs(vars.iter().copied())
         .output()
         .expect("run trellara")
 }
@@ -285,6 +291,58 @@ fn unix_socket_urls_reach_source_and_target_on(major: Major) {
     assert_eq!(
         p.target.psql_value("SELECT count(*) FROM public.orders"),
         "40"
+    );
+
+    // URLs naming no host (and the source no port), as `psql` takes them:
+    // PGHOST names the directory that now holds both sockets, PGPORT the
+    // source's port.
+    let both = links.path().join("both");
+    std::fs::create_dir(&both).expect("shared socket dir");
+    for (cluster, port) in [(&p.source, 1), (&p.target, 2)] {
+        std::os::unix::fs::symlink(
+            cluster
+                .socket_dir()
+                .join(format!(".s.PGSQL.{}", cluster.port())),
+            both.join(format!(".s.PGSQL.{port}")),
+        )
+        .expect("socket link");
+    }
+    let env: [(&str, &Path); 2] = [("PGHOST", &both), ("PGPORT", Path::new("1"))];
+    ok(
+        &trellara_with(
+            d,
+            &[
+                "init",
+                "--source-database-url",
+                "postgresql://postgres@/postgres",
+                "--target-database-url",
+                "postgresql://postgres@/postgres?port=2",
+                "--table",
+                "public.orders",
+                "--table",
+                "public.line_items",
+                "--flow",
+                "shop",
+                "--output",
+                "hostless.yml",
+                "--evaluate",
+            ],
+            &env,
+        ),
+        "init without hosts",
+    );
+    let out = ok(
+        &trellara_with(
+            d,
+            &["run", "--config", "hostless.yml", "--local", "--verify"],
+            &env,
+        ),
+        "run without hosts",
+    );
+    assert!(out.contains("shop CONVERGED"), "{major}: {out}");
+    assert_eq!(
+        p.target.psql_value("SELECT count(*) FROM public.orders"),
+        "60"
     );
 }
 
