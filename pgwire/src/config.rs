@@ -99,7 +99,14 @@ impl ConnectOptions {
                 "{e}; expected postgresql://user[:password]@host[:port]/dbname[?sslmode=...] or host=... dbname=..."
             ))
         })?;
-        let port = match config.get_ports().first() {
+        // A URL's query may name the port again (`?port=`): the last one
+        // counts, as in libpq. The 5432 tokio-postgres adds for a URL host
+        // without a port is not one the string named.
+        let mut ports = config.get_ports();
+        if url_host_without_port(&rest) {
+            ports = ports.get(1..).unwrap_or_default();
+        }
+        let port = match ports.last() {
             Some(port) => *port,
             None => match env("PGPORT").filter(|p| !p.is_empty()) {
                 Some(p) => p.parse().map_err(|_| {
@@ -193,6 +200,26 @@ fn default_host(
         .find(|dir| exists(&Path::new(dir).join(format!(".s.PGSQL.{port}"))))
         .unwrap_or("localhost")
         .to_owned())
+}
+
+/// Whether `s` is a URL whose authority names a host but no port.
+fn url_host_without_port(s: &str) -> bool {
+    let Some(rest) = s
+        .strip_prefix("postgresql://")
+        .or_else(|| s.strip_prefix("postgres://"))
+    else {
+        return false;
+    };
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    match host.strip_prefix('[') {
+        Some(v6) => v6
+            .split_once(']')
+            .is_some_and(|(_, after)| after.is_empty()),
+        None => !host.is_empty() && !host.contains(':'),
+    }
 }
 
 /// Removes `sslmode=verify-*` and `sslrootcert=` from a URL query or a
@@ -322,6 +349,21 @@ mod tests {
         assert_eq!(
             target("postgresql://u@/shop", &[("PGHOST", "db.example")], &[]),
             "db.example:5432/shop"
+        );
+        // A URL host without a port takes PGPORT too; `?port=` overrides
+        // the authority's port.
+        assert_eq!(target("postgresql://u@db/shop", &env, &[]), "db:5433/shop");
+        assert_eq!(
+            target("postgresql://u@[::1]/shop", &env, &[]),
+            "::1:5433/shop"
+        );
+        assert_eq!(
+            target("postgresql://u@db:6000/shop?port=6001", &[], &[]),
+            "db:6001/shop"
+        );
+        assert_eq!(
+            target("postgresql://u@db/shop?port=6001", &env, &[]),
+            "db:6001/shop"
         );
         // What the string names wins over the environment.
         assert_eq!(
