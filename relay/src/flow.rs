@@ -407,6 +407,12 @@ pub async fn run_watched<W: Watch>(
     let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
         .with_patience(CHUNK_PATIENCE)
         .with_cursor_every(CURSOR_EVERY);
+    // The log hands the applier each transaction as it is written, so the
+    // next one is usually on its way when one commits. The topic delivers
+    // later: a transaction opened there would mostly wait idle.
+    if kafka.is_none() {
+        applier = applier.with_open_after_commit();
+    }
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
         let result: Result<ApplyStats, ApplyError> = async {

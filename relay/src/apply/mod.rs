@@ -161,6 +161,31 @@ pub trait Target {
         source_id: &str,
         settle: &Settle,
     ) -> Result<u64, Refusal>;
+    /// [`settle_and_commit`](Target::settle_and_commit), then opens the
+    /// next transaction ([`begin`](Target::begin) and
+    /// [`send_lock_checkpoint`](Target::send_lock_checkpoint)). A target
+    /// that can sends all of it at once, so the next transaction costs the
+    /// target no wake of its own. The commit's error is the caller's to
+    /// roll back; a failure to open leaves no transaction open.
+    async fn commit_and_open(
+        &mut self,
+        flow: &str,
+        source_id: &str,
+        settle: &Settle,
+        durable: bool,
+    ) -> Result<(u64, Option<Self::Lock>), Refusal> {
+        let resolved = self.settle_and_commit(flow, source_id, settle).await?;
+        if self.begin(durable).await.is_err() {
+            return Ok((resolved, None));
+        }
+        match self.send_lock_checkpoint(flow).await {
+            Ok(lock) => Ok((resolved, Some(lock))),
+            Err(_) => {
+                self.rollback().await;
+                Ok((resolved, None))
+            }
+        }
+    }
     /// Inserts a run of rows of one relation.
     async fn insert_rows(
         &mut self,
@@ -214,8 +239,10 @@ pub struct Applier<T: Target = PgTarget> {
     /// Whether the open (or last) target transaction commits durably.
     began_durable: bool,
     /// The next target transaction, opened while its source transaction
-    /// was still arriving ([`open_ahead`](Applier::open_ahead)).
+    /// was still arriving ([`open_ahead`](Applier::open_ahead)), or with
+    /// the last commit ([`with_open_after_commit`](Applier::with_open_after_commit)).
     opened: Option<Opened<T::Lock>>,
+    open_after_commit: bool,
 }
 
 /// `BEGIN` and the checkpoint lock already sent, assuming `assumed`: the
@@ -223,6 +250,8 @@ pub struct Applier<T: Target = PgTarget> {
 struct Opened<L> {
     lock: L,
     assumed: Option<Lsn>,
+    /// How it commits ([`Target::begin`]).
+    durable: bool,
 }
 
 /// Where the applier is in its records, ahead of its persisted cursor.
@@ -541,6 +570,7 @@ impl<T: Target> Applier<T> {
             cursor: LazyCursor::default(),
             began_durable: true,
             opened: None,
+            open_after_commit: false,
         }
     }
 
@@ -558,9 +588,24 @@ impl<T: Target> Applier<T> {
             return;
         }
         match self.target.send_lock_checkpoint(&self.flow).await {
-            Ok(lock) => self.opened = Some(Opened { lock, assumed }),
+            Ok(lock) => {
+                self.opened = Some(Opened {
+                    lock,
+                    assumed,
+                    durable: self.began_durable,
+                })
+            }
             Err(_) => self.target.rollback().await,
         }
+    }
+
+    /// Opens the next target transaction with each commit, in the same
+    /// round trip: for a flow that expects more transactions soon (a live
+    /// source). The transaction waits for its rows; one that stays idle is
+    /// rolled back by [`close_opened`](Applier::close_opened).
+    pub fn with_open_after_commit(mut self) -> Self {
+        self.open_after_commit = true;
+        self
     }
 
     /// Opens a target transaction: a durable one when the cursor is due, so
@@ -585,6 +630,7 @@ impl<T: Target> Applier<T> {
             self.target.rollback().await;
             return None;
         }
+        self.began_durable = opened.durable;
         Some(opened.lock)
     }
 
@@ -923,17 +969,34 @@ impl<T: Target> Applier<T> {
         .await;
         match result {
             Ok(Some((checkpoint, settle))) => {
-                match self
-                    .target
-                    .settle_and_commit(&self.flow, &self.source_id, &settle)
-                    .await
-                {
-                    Ok(resolved) => {
+                // A durable commit persists the cursor: the next one need
+                // not be durable unless the cursor is due again by then.
+                let next = self
+                    .open_after_commit
+                    .then(|| !self.began_durable && self.cursor.due());
+                let committed = match next {
+                    None => self
+                        .target
+                        .settle_and_commit(&self.flow, &self.source_id, &settle)
+                        .await
+                        .map(|resolved| (resolved, None)),
+                    Some(durable) => self
+                        .target
+                        .commit_and_open(&self.flow, &self.source_id, &settle, durable)
+                        .await
+                        .map(|(resolved, lock)| (resolved, lock.map(|lock| (lock, durable)))),
+                };
+                match committed {
+                    Ok((resolved, opened)) => {
                         stats.quarantine_resolved += resolved;
                         stats.transactions += settle.applied;
-                        Ok(Attempt::Committed(
-                            settle.last.map(|l| l.commit_lsn).or(checkpoint),
-                        ))
+                        let checkpoint = settle.last.map(|l| l.commit_lsn).or(checkpoint);
+                        self.opened = opened.map(|(lock, durable)| Opened {
+                            lock,
+                            assumed: checkpoint,
+                            durable,
+                        });
+                        Ok(Attempt::Committed(checkpoint))
                     }
                     Err(refusal) => {
                         self.target.rollback().await;

@@ -124,6 +124,15 @@ impl std::fmt::Debug for PgTarget {
     }
 }
 
+/// `BEGIN` with the commit's durability: one message, no extra reply.
+fn begin_sql(durable: bool) -> &'static str {
+    if durable {
+        "BEGIN; SET LOCAL synchronous_commit TO on"
+    } else {
+        "BEGIN; SET LOCAL synchronous_commit TO off"
+    }
+}
+
 fn qualified(relation: &RelationSchema) -> String {
     format!(
         "{}.{}",
@@ -169,6 +178,124 @@ impl PgTarget {
 
     pub fn client(&self) -> &Client {
         &self.client
+    }
+
+    /// The lock's answer to come, its requests (and a held-back `BEGIN`)
+    /// already on the wire: whatever is sent next goes behind them.
+    async fn lock_sent(
+        &self,
+        begin: Option<&'static str>,
+        statement: Statement,
+        flow: &str,
+    ) -> <Self as Target>::Lock {
+        let client = Arc::clone(&self.client);
+        let flow = flow.to_owned();
+        let mut lock: <Self as Target>::Lock = Box::pin(async move {
+            let ((), row) = tokio::try_join!(
+                biased;
+                async {
+                    if let Some(begin) = begin {
+                        client.batch_execute(begin).await?;
+                    }
+                    Ok(())
+                },
+                async { client.query_opt(&statement, &[&flow]).await }
+            )?;
+            match row {
+                None => Ok(None),
+                Some(r) => {
+                    let text: String = r.get(0);
+                    text.parse().map(Some).map_err(|_| {
+                        Refusal::Data(format!(
+                            "the checkpoint of flow {flow} reads {text:?}, not an LSN"
+                        ))
+                    })
+                }
+            }
+        });
+        let sent = std::future::poll_fn(|cx| Poll::Ready(lock.as_mut().poll(cx))).await;
+        match sent {
+            Poll::Pending => lock,
+            Poll::Ready(answer) => Box::pin(std::future::ready(answer)),
+        }
+    }
+
+    /// Settles and commits; with `next` (its durability), the next
+    /// transaction's `BEGIN` and checkpoint lock follow in the same write.
+    async fn commit_then(
+        &mut self,
+        flow: &str,
+        source_id: &str,
+        settle: &Settle,
+        next: Option<bool>,
+    ) -> Result<(u64, Option<<Self as Target>::Lock>), Refusal> {
+        self.open().await?;
+        let next = match next {
+            Some(durable) => Some((begin_sql(durable), self.prepared(LOCK_CHECKPOINT).await?)),
+            None => None,
+        };
+        // Resolving costs no round trip here (it is pipelined), so it is
+        // sent whenever something settled, whoever quarantined it.
+        let resolve = if settle.settled.is_empty() {
+            None
+        } else {
+            Some(self.prepared(RESOLVE_QUARANTINE).await?)
+        };
+        let counts = match &settle.last {
+            Some(_) => Some(self.prepared(UPSERT_CHECKPOINT).await?),
+            None if settle.duplicates > 0 => Some(self.prepared(COUNT_DUPLICATES).await?),
+            None => None,
+        };
+        let client = &self.client;
+        let checkpoint = async {
+            let Some(statement) = &counts else {
+                return Ok(0);
+            };
+            match &settle.last {
+                Some(last) => {
+                    client
+                        .execute(
+                            statement,
+                            &[
+                                &flow,
+                                &source_id,
+                                &last.commit_lsn.to_string(),
+                                &last.end_lsn.to_string(),
+                                &(last.xid as i64),
+                                &(settle.applied as i64),
+                                &(settle.duplicates as i64),
+                            ],
+                        )
+                        .await
+                }
+                None => {
+                    client
+                        .execute(statement, &[&flow, &(settle.duplicates as i64)])
+                        .await
+                }
+            }
+        };
+        let resolved = async {
+            let Some(statement) = &resolve else {
+                return Ok(0);
+            };
+            let settled: Vec<String> = settle.settled.iter().map(Lsn::to_string).collect();
+            client.execute(statement, &[&flow, &settled]).await
+        };
+        let end = client.batch_execute("COMMIT");
+        // Polled in order, so the requests go out in this order at once.
+        let mut commit =
+            std::pin::pin!(async { tokio::try_join!(biased; checkpoint, resolved, end) });
+        let first = std::future::poll_fn(|cx| Poll::Ready(commit.as_mut().poll(cx))).await;
+        let lock = match next {
+            Some((begin, statement)) => Some(self.lock_sent(Some(begin), statement, flow).await),
+            None => None,
+        };
+        let (_, resolved, ()) = match first {
+            Poll::Ready(answer) => answer,
+            Poll::Pending => commit.await,
+        }?;
+        Ok((resolved, lock))
     }
 
     /// Streams `rows` into the open COPY of the same table and columns, or
@@ -300,11 +427,7 @@ impl Target for PgTarget {
         // A COPY left by a transaction that never ended (a simulated crash
         // keeps the session) is aborted, not continued.
         self.copy = None;
-        self.begin_pending = Some(if durable {
-            "BEGIN; SET LOCAL synchronous_commit TO on"
-        } else {
-            "BEGIN; SET LOCAL synchronous_commit TO off"
-        });
+        self.begin_pending = Some(begin_sql(durable));
         Ok(())
     }
 
@@ -343,38 +466,7 @@ impl Target for PgTarget {
         self.end_copy().await?;
         let statement = self.prepared(LOCK_CHECKPOINT).await?;
         let begin = self.begin_pending.take();
-        let client = Arc::clone(&self.client);
-        let flow = flow.to_owned();
-        let mut lock: Self::Lock = Box::pin(async move {
-            let ((), row) = tokio::try_join!(
-                biased;
-                async {
-                    if let Some(begin) = begin {
-                        client.batch_execute(begin).await?;
-                    }
-                    Ok(())
-                },
-                async { client.query_opt(&statement, &[&flow]).await }
-            )?;
-            match row {
-                None => Ok(None),
-                Some(r) => {
-                    let text: String = r.get(0);
-                    text.parse().map(Some).map_err(|_| {
-                        Refusal::Data(format!(
-                            "the checkpoint of flow {flow} reads {text:?}, not an LSN"
-                        ))
-                    })
-                }
-            }
-        });
-        // The first poll puts both requests on the wire, so whatever is
-        // sent next goes behind them.
-        let sent = std::future::poll_fn(|cx| Poll::Ready(lock.as_mut().poll(cx))).await;
-        match sent {
-            Poll::Pending => Ok(lock),
-            Poll::Ready(answer) => Ok(Box::pin(std::future::ready(answer))),
-        }
+        Ok(self.lock_sent(begin, statement, flow).await)
     }
 
     /// The checkpoint, counts, quarantine resolution and `COMMIT` in one
@@ -385,59 +477,20 @@ impl Target for PgTarget {
         source_id: &str,
         settle: &Settle,
     ) -> Result<u64, Refusal> {
-        self.open().await?;
-        // Resolving costs no round trip here (it is pipelined), so it is
-        // sent whenever something settled, whoever quarantined it.
-        let resolve = if settle.settled.is_empty() {
-            None
-        } else {
-            Some(self.prepared(RESOLVE_QUARANTINE).await?)
-        };
-        let counts = match &settle.last {
-            Some(_) => Some(self.prepared(UPSERT_CHECKPOINT).await?),
-            None if settle.duplicates > 0 => Some(self.prepared(COUNT_DUPLICATES).await?),
-            None => None,
-        };
-        let client = &self.client;
-        let checkpoint = async {
-            let Some(statement) = &counts else {
-                return Ok(0);
-            };
-            match &settle.last {
-                Some(last) => {
-                    client
-                        .execute(
-                            statement,
-                            &[
-                                &flow,
-                                &source_id,
-                                &last.commit_lsn.to_string(),
-                                &last.end_lsn.to_string(),
-                                &(last.xid as i64),
-                                &(settle.applied as i64),
-                                &(settle.duplicates as i64),
-                            ],
-                        )
-                        .await
-                }
-                None => {
-                    client
-                        .execute(statement, &[&flow, &(settle.duplicates as i64)])
-                        .await
-                }
-            }
-        };
-        let resolved = async {
-            let Some(statement) = &resolve else {
-                return Ok(0);
-            };
-            let settled: Vec<String> = settle.settled.iter().map(Lsn::to_string).collect();
-            client.execute(statement, &[&flow, &settled]).await
-        };
-        let end = client.batch_execute("COMMIT");
-        // Polled in order, so the requests go out in this order at once.
-        let (_, resolved, ()) = tokio::try_join!(biased; checkpoint, resolved, end)?;
-        Ok(resolved)
+        Ok(self.commit_then(flow, source_id, settle, None).await?.0)
+    }
+
+    /// The next transaction's `BEGIN` and lock go right behind the
+    /// `COMMIT`: the backend runs them before it next waits for input.
+    async fn commit_and_open(
+        &mut self,
+        flow: &str,
+        source_id: &str,
+        settle: &Settle,
+        durable: bool,
+    ) -> Result<(u64, Option<Self::Lock>), Refusal> {
+        self.commit_then(flow, source_id, settle, Some(durable))
+            .await
     }
 
     async fn insert_rows(

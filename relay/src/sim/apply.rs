@@ -507,11 +507,13 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
     Ok(history)
 }
 
-/// An applier as `trellara run` sets it up: the cursor persisted at most
-/// every hour here, so the commits in between are asynchronous.
+/// An applier as `trellara run` sets it up on a local log: the cursor
+/// persisted at most every hour here, so the commits in between are
+/// asynchronous, and each commit opens the next transaction.
 fn lazy(target: SimTarget) -> Applier<SimTarget> {
     Applier::with_target(target, "sim", "sim", "trellara.yml")
         .with_cursor_every(std::time::Duration::from_secs(3600))
+        .with_open_after_commit()
 }
 
 /// TA-13. Transactions arrive one at a time and each is applied at once
