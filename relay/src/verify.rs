@@ -58,8 +58,9 @@ pub struct Verdict {
     pub consistent_lsn: Option<String>,
     pub transactions_applied: i64,
     pub duplicates_skipped: i64,
-    /// What could not be checked, stated exactly.
-    pub limits: Vec<String>,
+    /// `--table`: the one table compared. Such a verdict moves no state.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub only_table: Option<String>,
 }
 
 impl Verdict {
@@ -78,6 +79,16 @@ pub enum VerifyError {
     Log(#[from] crate::log::Error),
     #[error("table {0} is not schema.table")]
     BadTable(String),
+    #[error("the flow's snapshot state on the target: {0}")]
+    State(String),
+    #[error(
+        "lock the log directory {path} to read it: {source}; check that this user may write there"
+    )]
+    LogLock {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 const SESSION: &str = "SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'postgres'; \
@@ -405,15 +416,27 @@ pub async fn verify(
         None => (None, 0, 0),
     };
     // Watermark: nothing durable past the applier, nothing pending in the slot.
-    let mut limits = Vec::new();
     let lock = match flow.log_dir() {
         Some(dir) if dir.exists() => {
-            crate::lock::try_lock(dir).map_err(|e| VerifyError::BadTable(e.to_string()))?
+            crate::lock::try_lock(dir).map_err(|source| VerifyError::LogLock {
+                path: dir.display().to_string(),
+                source,
+            })?
         }
         _ => None,
     };
+    // What a running process holds cannot be read here, and a watermark
+    // that is not checked is no convergence.
+    let busy = format!(
+        "stop the trellara process running flow {} (run --follow or relay), then rerun verify",
+        flow.name
+    );
     if lock.is_none() && flow.log_dir().is_some_and(Path::exists) {
-        limits.push("the log was not read: a running trellara process (run --follow or relay) holds it; its applier cursor is checked by that process".to_owned());
+        divergences.push(Divergence {
+            code: "WATERMARK_UNVERIFIED",
+            detail: "the log was not read: a running trellara process (run --follow or relay) holds it, so what it captured but has not applied is unknown".to_owned(),
+            recovery: busy.clone(),
+        });
     }
     if let (Some(dir), Some(_lock), crate::config::Transport::Kafka { topic, .. }) =
         (flow.log_dir(), &lock, &flow.transport)
@@ -505,10 +528,14 @@ pub async fn verify(
         Ok(_) => {}
         // object_in_use: our relay is streaming the slot right now.
         Err(e) if e.as_db_error().is_some_and(|d| d.code().code() == "55006") => {
-            limits.push(format!(
-                "slot {} is being streamed; pending changes were not peeked",
-                flow.slot()
-            ));
+            divergences.push(Divergence {
+                code: "WATERMARK_UNVERIFIED",
+                detail: format!(
+                    "slot {} is being streamed, so its uncaptured changes could not be peeked",
+                    flow.slot()
+                ),
+                recovery: busy.clone(),
+            });
         }
         Err(e) => divergences.push(Divergence {
             code: "WATERMARK_UNVERIFIED",
@@ -546,8 +573,10 @@ pub async fn verify(
 
     let snapshot = crate::snapshot::load(target, &flow.name)
         .await
-        .ok()
-        .flatten();
+        .map_err(|e| match e {
+            crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
+            other => VerifyError::State(other.to_string()),
+        })?;
     let state = snapshot.as_ref().map(|s| s.state);
     if !matches!(
         state,
@@ -577,12 +606,29 @@ pub async fn verify(
         consistent_lsn: snapshot.and_then(|s| s.consistent_lsn.map(|l| l.to_string())),
         transactions_applied: transactions,
         duplicates_skipped: duplicates,
-        limits,
+        only_table: only_table.map(str::to_owned),
     };
-    // Verification is a state transition as well as a report.
+    // Verification is a state transition as well as a report, on the
+    // evidence of every table only. A verified run goes back only on
+    // evidence that its copy is wrong: rows that differ while the target
+    // has applied everything. Lag, a quarantined transaction or an
+    // unchecked watermark explain a difference without it.
+    let data_differs = verdict
+        .divergences
+        .iter()
+        .any(|d| matches!(d.code, "ROW_COUNT_MISMATCH" | "CHECKSUM_MISMATCH"));
+    let explained = verdict.divergences.iter().any(|d| {
+        matches!(
+            d.code,
+            "WATERMARK_BEHIND" | "WATERMARK_UNVERIFIED" | "QUARANTINED"
+        )
+    });
     let next = match (state, verdict.converged()) {
+        _ if only_table.is_some() => None,
         (Some(SnapshotState::StreamHandoffReady), true) => Some(SnapshotState::Verified),
-        (Some(SnapshotState::Verified), false) => Some(SnapshotState::FailedRecoverable),
+        (Some(SnapshotState::Verified), false) if data_differs && !explained => {
+            Some(SnapshotState::FailedRecoverable)
+        }
         _ => None,
     };
     if let Some(next) = next {
@@ -598,7 +644,7 @@ pub async fn verify(
             .await
             .map_err(|e| match e {
                 crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
-                other => VerifyError::BadTable(other.to_string()),
+                other => VerifyError::State(other.to_string()),
             })?;
         verdict.snapshot_state = Some(next.as_str().to_owned());
     }
@@ -652,9 +698,6 @@ pub fn render_text(v: &Verdict) -> String {
         v.transactions_applied,
         v.duplicates_skipped
     ));
-    for l in &v.limits {
-        out.push_str(&format!("  not checked: {l}\n"));
-    }
     for d in &v.divergences {
         out.push_str(&format!(
             "  {}: {}\n    recovery: {}\n",

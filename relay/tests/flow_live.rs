@@ -718,8 +718,50 @@ fn verify_names_a_row_changed_behind_its_back_on(major: Major) {
     // 400 orders and 1,000 line items: 100-row chunks plus the open tail.
     assert_eq!(v[0]["tables"][0]["chunks"], 5, "{v}");
     assert_eq!(v[0]["tables"][1]["chunks"], 11, "{v}");
+    assert_eq!(v[0]["snapshot_state"], "verified", "{v}");
+
+    // Lag is no evidence against the copy: the run stays verified.
+    workload(&p.source, 401, 1);
+    let out = trellara(
+        d,
+        &["verify", "--config", "trellara.yml", "--format", "json"],
+    );
+    assert_eq!(out.status.code(), Some(1), "behind is diverged");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let codes = |v: &serde_json::Value| -> Vec<String> {
+        v[0]["divergences"]
+            .as_array()
+            .expect("divergences")
+            .iter()
+            .map(|d| d["code"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    };
+    assert!(codes(&v).contains(&"WATERMARK_BEHIND".to_owned()), "{v}");
+    assert_eq!(v[0]["snapshot_state"], "verified", "{v}");
+    ok(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        "catch up",
+    );
+
     p.target
         .psql("UPDATE public.line_items SET qty = qty + 1 WHERE order_id = 321 AND line = 1");
+    // One table's verdict moves no state and is no flow's last verify.
+    let out = trellara(
+        d,
+        &[
+            "verify",
+            "--config",
+            "trellara.yml",
+            "--table",
+            "public.orders",
+            "--format",
+            "json",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(out.status.code(), Some(0), "orders alone converge: {v}");
+    assert_eq!(v[0]["only_table"], "public.orders", "{v}");
+    assert_eq!(v[0]["snapshot_state"], "verified", "{v}");
     let out = trellara(
         d,
         &["verify", "--config", "trellara.yml", "--format", "json"],
@@ -1013,8 +1055,8 @@ fn reseed_repair_plan_and_locate_local_on(major: Major) {
         "the old slot was replaced, not leaked"
     );
     let plan = ok(
-        &trellara(d, &["repair-plan", "--config", "trellara.yml"]),
-        "repair-plan",
+        &trellara(d, &["repair", "plan", "--config", "trellara.yml"]),
+        "repair plan",
     );
     assert!(plan.contains("nothing is blocked"), "{plan}");
 }
@@ -1048,6 +1090,15 @@ fn follow_applies_as_it_goes_and_stops_cleanly_on_sigterm_on(major: Major) {
         }
     };
     wait_for("SELECT count(*) FROM public.orders", "5");
+    // The running process holds the log and streams the slot: verify
+    // cannot check the watermark, so it does not claim convergence.
+    let out = trellara(d, &["verify", "--config", "trellara.yml"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("shop DIVERGED") && text.contains("WATERMARK_UNVERIFIED"),
+        "{text}"
+    );
     for round in 0..3 {
         workload(&p.source, 100 + round * 10, 10);
         wait_for(

@@ -412,7 +412,35 @@ pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// [`verify_flows_or_fail`], exiting 2 (could not verify) on an error, as
+/// `verify` does: a failed check is never reported as a divergence.
 fn verify_flows(
+    config: &Config,
+    config_path: &str,
+    only_flow: Option<&str>,
+    table: Option<&str>,
+    format: Format,
+    chunk_rows: u64,
+    rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<ExitCode> {
+    match verify_flows_or_fail(
+        config,
+        config_path,
+        only_flow,
+        table,
+        format,
+        chunk_rows,
+        rt,
+    ) {
+        Ok(code) => Ok(code),
+        Err(err) => {
+            eprintln!("error: {}", super::chain(&err));
+            Ok(ExitCode::from(EXIT_ERROR))
+        }
+    }
+}
+
+fn verify_flows_or_fail(
     config: &Config,
     config_path: &str,
     only_flow: Option<&str>,
@@ -476,7 +504,8 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             let checkpoint = q("SELECT commit_lsn::text, end_lsn::text, transactions, duplicates_skipped, updated_at::text FROM trellara.checkpoints WHERE flow = $1").await?;
             let snapshot = q("SELECT state, consistent_lsn::text, run_id, coalesce(reason, '') FROM trellara.snapshot_runs WHERE flow = $1").await?;
             let quarantine = q("SELECT commit_lsn::text, xid, reason, recovery, attempts FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn").await?;
-            let last_verify = q("SELECT verdict, verified_at::text FROM trellara.verify_runs WHERE flow = $1 ORDER BY verified_at DESC LIMIT 1").await?;
+            // A `--table` verdict speaks for one table, not the flow.
+            let last_verify = q("SELECT verdict, verified_at::text FROM trellara.verify_runs WHERE flow = $1 AND NOT evidence ? 'only_table' ORDER BY verified_at DESC LIMIT 1").await?;
             let mut v = json!({
                 "flow": f.name,
                 "checkpoint": checkpoint.first().map(|r| json!({"commit_lsn": r.get::<_, String>(0), "end_lsn": r.get::<_, String>(1), "transactions": r.get::<_, i64>(2), "duplicates_skipped": r.get::<_, i64>(3), "updated_at": r.get::<_, String>(4)})),

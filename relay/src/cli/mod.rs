@@ -37,6 +37,12 @@ pub enum Format {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum Repair {
+    /// Name what is blocked and the commands that unblock it.
+    Plan(flow::StatusArgs),
+}
+
+#[derive(Debug, Subcommand)]
 pub enum Command {
     /// Write a trellara.yml for a flow.
     Init(flow::InitArgs),
@@ -71,6 +77,13 @@ pub enum Command {
     /// Name what is blocked and the commands that unblock it.
     #[command(hide = true, name = "repair-plan")]
     RepairPlan(flow::StatusArgs),
+    /// `repair plan`: the same as `repair-plan`. There is deliberately no
+    /// `repair apply`.
+    #[command(hide = true)]
+    Repair {
+        #[command(subcommand)]
+        action: Repair,
+    },
     /// Stream position tools (locate-local).
     #[command(hide = true)]
     Stream(flow::StreamArgs),
@@ -137,7 +150,10 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         ),
         Command::Chaos(args) => return chaos::run(args),
         Command::Reseed(args) => return flow::reseed(args),
-        Command::RepairPlan(args) => return flow::repair_plan(args),
+        Command::RepairPlan(args)
+        | Command::Repair {
+            action: Repair::Plan(args),
+        } => return flow::repair_plan(args),
         Command::Stream(args) => return flow::stream(args),
         Command::Semantics(args) => return semantics::run(args),
     };
