@@ -21,6 +21,7 @@ use crate::config::{Flow, split_table};
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use crate::state::SnapshotState;
 use serde::Serialize;
+use std::collections::HashMap;
 use std::path::Path;
 use tokio_postgres::Client;
 
@@ -134,6 +135,66 @@ async fn shape(
         }
     }
     Ok((columns, dedup))
+}
+
+/// The collation of each collatable column of `qualified` (quoted name →
+/// collation), the database's own resolved for `default`.
+async fn collations(
+    client: &Client,
+    qualified: &str,
+) -> Result<HashMap<String, String>, tokio_postgres::Error> {
+    // The ICU locale column is daticulocale on 15-16 and datlocale from 17.
+    let rows = client
+        .query(
+            "SELECT quote_ident(a.attname),
+                    CASE WHEN c.collname = 'default' THEN
+                        (SELECT concat_ws(':', j->>'datlocprovider', coalesce(j->>'datlocale', j->>'daticulocale'), j->>'datcollate')
+                         FROM pg_database d, to_jsonb(d) j WHERE d.datname = current_database())
+                    ELSE c.collname END
+             FROM pg_attribute a JOIN pg_collation c ON c.oid = a.attcollation
+             WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
+            &[&qualified],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
+/// The key as chunk bounds and ranges compare it. Both sides must order
+/// the key alike, or the ranges found on the source would overlap or
+/// leave gaps on the target: where a key column's collation differs, every
+/// collatable key column is compared in `C` order on both sides (then the
+/// bounds are found by sorting rather than walking the key's index).
+async fn ordered_key(
+    source: &Client,
+    target: &Client,
+    qualified: &str,
+    key: Vec<(String, String)>,
+) -> Result<Vec<(String, String)>, VerifyError> {
+    let on_source = collations(source, qualified)
+        .await
+        .map_err(VerifyError::Source)?;
+    let on_target = collations(target, qualified)
+        .await
+        .map_err(VerifyError::Target)?;
+    if key
+        .iter()
+        .all(|(k, _)| on_source.get(k) == on_target.get(k))
+    {
+        return Ok(key);
+    }
+    tracing::info!(
+        table = qualified,
+        "key collations differ between source and target: comparing keys in C order"
+    );
+    Ok(key
+        .into_iter()
+        .map(
+            |(k, ty)| match on_source.contains_key(&k) || on_target.contains_key(&k) {
+                true => (format!("({k} COLLATE \"C\")"), ty),
+                false => (k, ty),
+            },
+        )
+        .collect())
 }
 
 /// `count(*)` and the checksum of `qualified` where `filter` holds.
@@ -274,22 +335,35 @@ async fn verify_table(
         split_table(table).ok_or_else(|| VerifyError::BadTable(table.to_owned()))?;
     let qualified = format!("\"{schema}\".\"{name}\"");
     let (columns, key) = shape(source, &qualified).await?;
+    let key_columns: Vec<String> = key.iter().map(|(n, _)| n.clone()).collect();
+    let key = ordered_key(source, target, &qualified, key).await?;
     let list = columns.join(", ");
-    let filters = if key.is_empty() {
+    let mut filters = if key.is_empty() {
         vec!["true".to_owned()]
     } else {
         chunk_filters(source, &qualified, &key, chunk_rows)
             .await
             .map_err(VerifyError::Source)?
     };
+    let key_ranges = filters.len();
+    if key_ranges > 1 {
+        // A key range holds no row with a NULL key, which only a target
+        // without the key's NOT NULL can have: one more range for those.
+        let null = key_columns
+            .iter()
+            .map(|k| format!("{k} IS NULL"))
+            .collect::<Vec<_>>()
+            .join(" OR ");
+        filters.push(format!("({null})"));
+    }
     let mut evidence = TableEvidence {
         table: table.to_owned(),
-        key: key.iter().map(|(n, _)| n.clone()).collect(),
+        key: key_columns,
         source_rows: 0,
         target_rows: 0,
         source_checksum: "0".into(),
         target_checksum: "0".into(),
-        chunks: filters.len(),
+        chunks: key_ranges,
         diverging_ranges: Vec::new(),
         limits: Vec::new(),
     };

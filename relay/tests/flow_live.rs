@@ -783,6 +783,88 @@ fn verify_names_a_row_changed_behind_its_back_on(major: Major) {
     assert_narrow_range_around_321(&v);
 }
 
+#[test]
+fn verify_counts_null_keys_and_orders_keys_alike_on_both_sides() {
+    on_every_major(verify_counts_null_keys_and_orders_keys_alike_on);
+}
+
+/// A text key whose target column has another collation, and a target
+/// that allows NULL keys: verify in key-range chunks neither counts a row
+/// twice nor misses one.
+fn verify_counts_null_keys_and_orders_keys_alike_on(major: Major) {
+    let Some(source) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    source.psql("CREATE TABLE public.tags (name text PRIMARY KEY, n int NOT NULL)");
+    // ICU orders a B c D, the source's C collation B D a c. Without ICU
+    // the orders agree and only the NULL key is tested.
+    let icu =
+        target.psql_value("SELECT count(*) FROM pg_collation WHERE collname = 'und-x-icu'") == "1";
+    let collate = if icu { "COLLATE \"und-x-icu\"" } else { "" };
+    // Neither NOT NULL nor an index on the target's key.
+    target.psql(&format!(
+        "CREATE TABLE public.tags (name text {collate}, n int NOT NULL)"
+    ));
+    source.psql(
+        "INSERT INTO public.tags SELECT v, ascii(v) FROM unnest(ARRAY['a','B','c','D','e','F','g','H']) v",
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    ok(
+        &trellara(
+            d,
+            &[
+                "init",
+                "--source-database-url",
+                &source.connection_string("postgres"),
+                "--target-database-url",
+                &target.connection_string("postgres"),
+                "--table",
+                "public.tags",
+                "--flow",
+                "tags",
+                "--evaluate",
+            ],
+        ),
+        "init",
+    );
+    let out = ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "run",
+    );
+    assert!(out.contains("tags CONVERGED"), "{major}: {out}");
+    let chunked = [
+        "verify",
+        "--config",
+        "trellara.yml",
+        "--chunk-rows",
+        "2",
+        "--format",
+        "json",
+    ];
+    let out = trellara(d, &chunked);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(out.status.code(), Some(0), "{major} (icu {icu}): {v}");
+    assert_eq!(v[0]["tables"][0]["chunks"], 5, "{v}");
+
+    target.psql("INSERT INTO public.tags VALUES (NULL, 0)");
+    let out = trellara(d, &chunked);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(out.status.code(), Some(1), "{major}: {v}");
+    assert_eq!(v[0]["divergences"][0]["code"], "ROW_COUNT_MISMATCH", "{v}");
+    assert_eq!(
+        v[0]["tables"][0]["diverging_ranges"],
+        serde_json::json!(["(name IS NULL)"]),
+        "{v}"
+    );
+}
+
 /// The one diverging range of line_items brackets order 321 narrowly.
 fn assert_narrow_range_around_321(v: &serde_json::Value) {
     let ranges = v[0]["tables"][1]["diverging_ranges"]
