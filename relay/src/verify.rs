@@ -93,7 +93,7 @@ pub enum VerifyError {
 }
 
 const SESSION: &str = "SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'postgres'; \
-                       SET extra_float_digits = 3; SET bytea_output = 'hex'";
+                       SET extra_float_digits = 3; SET bytea_output = 'hex'; SET lc_monetary = 'C'";
 
 /// Columns of a table (canonical order) and its key columns as (quoted
 /// name, type) (primary key, else the replica identity index), read from
@@ -207,7 +207,7 @@ async fn aggregate(
     let row = client
         .query_one(
             &format!(
-                "SELECT count(*), coalesce(sum(('x' || substr(md5(ROW({columns})::text), 1, 15))::bit(60)::bigint::numeric), 0)::text
+                "SELECT count(*), coalesce(sum(('x' || substr(md5(convert_to(ROW({columns})::text, 'UTF8')), 1, 15))::bit(60)::bigint::numeric), 0)::text
                  FROM ONLY {qualified} t WHERE {filter}"
             ),
             &[],

@@ -788,9 +788,10 @@ fn verify_counts_null_keys_and_orders_keys_alike_on_both_sides() {
     on_every_major(verify_counts_null_keys_and_orders_keys_alike_on);
 }
 
-/// A text key whose target column has another collation, and a target
-/// that allows NULL keys: verify in key-range chunks neither counts a row
-/// twice nor misses one.
+/// A text key whose target column has another collation, a target that
+/// allows NULL keys, in a LATIN1 database: verify in key-range chunks
+/// neither counts a row twice nor misses one, and the same text hashes
+/// alike in either encoding.
 fn verify_counts_null_keys_and_orders_keys_alike_on(major: Major) {
     let Some(source) = test_cluster(major, &ClusterOptions::new()) else {
         return;
@@ -798,18 +799,26 @@ fn verify_counts_null_keys_and_orders_keys_alike_on(major: Major) {
     let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
         return;
     };
-    source.psql("CREATE TABLE public.tags (name text PRIMARY KEY, n int NOT NULL)");
+    source.psql("CREATE TABLE public.tags (name text PRIMARY KEY, n int NOT NULL, label text)");
+    target.psql(
+        "CREATE DATABASE latin1 ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0",
+    );
     // ICU orders a B c D, the source's C collation B D a c. Without ICU
     // the orders agree and only the NULL key is tested.
     let icu =
         target.psql_value("SELECT count(*) FROM pg_collation WHERE collname = 'und-x-icu'") == "1";
     let collate = if icu { "COLLATE \"und-x-icu\"" } else { "" };
+    let mut latin1 =
+        postgres::Client::connect(&target.connection_string("latin1"), postgres::NoTls)
+            .expect("connect latin1");
     // Neither NOT NULL nor an index on the target's key.
-    target.psql(&format!(
-        "CREATE TABLE public.tags (name text {collate}, n int NOT NULL)"
-    ));
+    latin1
+        .batch_execute(&format!(
+            "CREATE TABLE public.tags (name text {collate}, n int NOT NULL, label text)"
+        ))
+        .expect("target table");
     source.psql(
-        "INSERT INTO public.tags SELECT v, ascii(v) FROM unnest(ARRAY['a','B','c','D','e','F','g','H']) v",
+        "INSERT INTO public.tags SELECT v, ascii(v), 'café ' || v FROM unnest(ARRAY['a','B','c','D','e','F','g','H']) v",
     );
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
@@ -821,7 +830,7 @@ fn verify_counts_null_keys_and_orders_keys_alike_on(major: Major) {
                 "--source-database-url",
                 &source.connection_string("postgres"),
                 "--target-database-url",
-                &target.connection_string("postgres"),
+                &target.connection_string("latin1"),
                 "--table",
                 "public.tags",
                 "--flow",
@@ -853,7 +862,9 @@ fn verify_counts_null_keys_and_orders_keys_alike_on(major: Major) {
     assert_eq!(out.status.code(), Some(0), "{major} (icu {icu}): {v}");
     assert_eq!(v[0]["tables"][0]["chunks"], 5, "{v}");
 
-    target.psql("INSERT INTO public.tags VALUES (NULL, 0)");
+    latin1
+        .batch_execute("INSERT INTO public.tags VALUES (NULL, 0)")
+        .expect("stray row");
     let out = trellara(d, &chunked);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(out.status.code(), Some(1), "{major}: {v}");
