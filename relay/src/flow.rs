@@ -271,6 +271,16 @@ pub async fn run_watched<W: Watch>(
         path: log_dir.display().to_string(),
         source,
     })?;
+    if let Some(refusal) = snapshot::native_refusal(flow, &source)
+        .await
+        .map_err(|source| FlowError::Connect {
+            side: "source",
+            target: redact(&source_url),
+            source,
+        })?
+    {
+        return Err(FlowError::Native(format!("flow {}: {refusal}", flow.name)));
+    }
     let current = snapshot::load(&target, &flow.name).await?;
     if snapshot::needs_snapshot(current.as_ref().map(|r| r.state)) {
         // A new boundary means a new stream: the old log cannot be applied

@@ -92,6 +92,16 @@ pub async fn target(
             )),
         ));
     }
+    if let Some(refusal) = crate::snapshot::native_refusal(flow, source).await? {
+        out.push(finding(
+            "source",
+            "native capture",
+            false,
+            true,
+            refusal,
+            Some("set capture: external for this flow in trellara.yml".into()),
+        ));
+    }
     target.batch_execute("ROLLBACK").await?;
     Ok(out)
 }

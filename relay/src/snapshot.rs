@@ -139,6 +139,57 @@ pub fn needs_snapshot(current: Option<SnapshotState>) -> bool {
     )
 }
 
+/// What a table's rows are read from: the table alone (`ONLY`: an
+/// inheritance child's rows are its own relation's, published apart), or
+/// for a partitioned table, which holds no rows itself, its partitions.
+pub(crate) async fn rows_of(
+    client: &Client,
+    qualified: &str,
+) -> Result<String, tokio_postgres::Error> {
+    Ok(if partitioned(client, qualified).await? {
+        qualified.to_owned()
+    } else {
+        format!("ONLY {qualified}")
+    })
+}
+
+/// Whether `qualified` is a partitioned table.
+pub(crate) async fn partitioned(
+    client: &Client,
+    qualified: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    Ok(client
+        .query_one(
+            "SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)), false)",
+            &[&qualified],
+        )
+        .await?
+        .get(0))
+}
+
+/// Native capture names each change by the relation it was written to:
+/// a partitioned table's arrive under its partitions' names, which the
+/// target does not replicate. Refused before anything is copied.
+pub(crate) async fn native_refusal(
+    flow: &crate::config::Flow,
+    source: &Client,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    if flow.capture != crate::config::CapturePath::Native {
+        return Ok(None);
+    }
+    for table in &flow.tables {
+        let Some((schema, name)) = split_table(table) else {
+            continue;
+        };
+        if partitioned(source, &format!("\"{schema}\".\"{name}\"")).await? {
+            return Ok(Some(format!(
+                "table {table} is partitioned, and native capture does not capture partitions under their table's name; use capture: external for this flow (its publication publishes via the partition root)"
+            )));
+        }
+    }
+    Ok(None)
+}
+
 /// Test-only switches that break one rule each, for the simulator's
 /// mutation checks.
 #[cfg(test)]
@@ -369,7 +420,9 @@ impl SnapshotIo for PgSnapshot<'_> {
             .collect();
         self.source
             .batch_execute(&format!(
-                "CREATE PUBLICATION {publication} FOR TABLE {}",
+                // A partitioned table's changes then arrive under its own
+                // name, as the snapshot copied it, not under each partition's.
+                "CREATE PUBLICATION {publication} FOR TABLE {} WITH (publish_via_partition_root = true)",
                 tables.join(", ")
             ))
             .await
@@ -570,6 +623,9 @@ async fn copy_table(
         ));
     }
     let list = columns.join(", ");
+    let rows_of = rows_of(source, &qualified)
+        .await
+        .map_err(SnapshotError::Source)?;
     source
         .batch_execute(&format!(
             "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{snapshot}'"
@@ -586,7 +642,7 @@ async fn copy_table(
             .await
             .map_err(|e| bad(format!("cannot truncate on the target: {e}"), "create the table on the target with compatible columns"))?;
         let out = source
-            .copy_out(&format!("COPY (SELECT {list} FROM ONLY {qualified}) TO STDOUT"))
+            .copy_out(&format!("COPY (SELECT {list} FROM {rows_of}) TO STDOUT"))
             .await
             .map_err(SnapshotError::Source)?;
         let sink = target

@@ -197,10 +197,11 @@ async fn ordered_key(
         .collect())
 }
 
-/// `count(*)` and the checksum of `qualified` where `filter` holds.
+/// `count(*)` and the checksum of the rows `from` holds (see
+/// [`rows_of`](crate::snapshot::rows_of)) where `filter` holds.
 async fn aggregate(
     client: &Client,
-    qualified: &str,
+    from: &str,
     columns: &str,
     filter: &str,
 ) -> Result<(i64, String), tokio_postgres::Error> {
@@ -208,7 +209,7 @@ async fn aggregate(
         .query_one(
             &format!(
                 "SELECT count(*), coalesce(sum(('x' || substr(md5(convert_to(ROW({columns})::text, 'UTF8')), 1, 15))::bit(60)::bigint::numeric), 0)::text
-                 FROM ONLY {qualified} t WHERE {filter}"
+                 FROM {from} t WHERE {filter}"
             ),
             &[],
         )
@@ -220,7 +221,7 @@ async fn aggregate(
 /// chunks in key order, as text per key column.
 async fn chunks(
     source: &Client,
-    qualified: &str,
+    from: &str,
     key: &[(String, String)],
     filter: &str,
     n: i32,
@@ -230,7 +231,7 @@ async fn chunks(
     let text_key: Vec<String> = names.iter().map(|k| format!("{k}::text")).collect();
     let desc: Vec<String> = names.iter().map(|k| format!("{k} DESC")).collect();
     let bucketed = format!(
-        "(SELECT {key_names}, ntile({n}) OVER (ORDER BY {key_names}) AS b FROM ONLY {qualified} t WHERE {filter}) s"
+        "(SELECT {key_names}, ntile({n}) OVER (ORDER BY {key_names}) AS b FROM {from} t WHERE {filter}) s"
     );
     let bound = |order: &str| {
         format!(
@@ -281,7 +282,7 @@ fn key_range(key: &[(String, String)], lo: &[String], hi: &[String]) -> String {
 /// a table with fewer rows is one range (`true`).
 async fn chunk_filters(
     source: &Client,
-    qualified: &str,
+    from: &str,
     key: &[(String, String)],
     chunk_rows: u64,
 ) -> Result<Vec<String>, tokio_postgres::Error> {
@@ -296,7 +297,7 @@ async fn chunk_filters(
         let bound = source
             .query_opt(
                 &format!(
-                    "SELECT ARRAY[{}] FROM ONLY {qualified} WHERE {above} ORDER BY {names} OFFSET {} LIMIT 1",
+                    "SELECT ARRAY[{}] FROM {from} WHERE {above} ORDER BY {names} OFFSET {} LIMIT 1",
                     text_key.join(", "),
                     chunk_rows.saturating_sub(1)
                 ),
@@ -337,11 +338,17 @@ async fn verify_table(
     let (columns, key) = shape(source, &qualified).await?;
     let key_columns: Vec<String> = key.iter().map(|(n, _)| n.clone()).collect();
     let key = ordered_key(source, target, &qualified, key).await?;
+    let on_source = crate::snapshot::rows_of(source, &qualified)
+        .await
+        .map_err(VerifyError::Source)?;
+    let on_target = crate::snapshot::rows_of(target, &qualified)
+        .await
+        .map_err(VerifyError::Target)?;
     let list = columns.join(", ");
     let mut filters = if key.is_empty() {
         vec!["true".to_owned()]
     } else {
-        chunk_filters(source, &qualified, &key, chunk_rows)
+        chunk_filters(source, &on_source, &key, chunk_rows)
             .await
             .map_err(VerifyError::Source)?
     };
@@ -369,10 +376,10 @@ async fn verify_table(
     };
     let mut mismatched = Vec::new();
     for filter in filters {
-        let (s_rows, s_sum) = aggregate(source, &qualified, &list, &filter)
+        let (s_rows, s_sum) = aggregate(source, &on_source, &list, &filter)
             .await
             .map_err(VerifyError::Source)?;
-        let (t_rows, t_sum) = aggregate(target, &qualified, &list, &filter)
+        let (t_rows, t_sum) = aggregate(target, &on_target, &list, &filter)
             .await
             .map_err(VerifyError::Target)?;
         if (s_rows, &s_sum) != (t_rows, &t_sum) {
@@ -397,15 +404,15 @@ async fn verify_table(
     for _ in 0..2 {
         let mut narrower = Vec::new();
         for filter in &ranges {
-            for (lo, hi) in chunks(source, &qualified, &key, filter, 16)
+            for (lo, hi) in chunks(source, &on_source, &key, filter, 16)
                 .await
                 .map_err(VerifyError::Source)?
             {
                 let range = key_range(&key, &lo, &hi);
-                let s = aggregate(source, &qualified, &list, &range)
+                let s = aggregate(source, &on_source, &list, &range)
                     .await
                     .map_err(VerifyError::Source)?;
-                let t = aggregate(target, &qualified, &list, &range)
+                let t = aggregate(target, &on_target, &list, &range)
                     .await
                     .map_err(VerifyError::Target)?;
                 if s != t {

@@ -876,6 +876,107 @@ fn verify_counts_null_keys_and_orders_keys_alike_on(major: Major) {
     );
 }
 
+#[test]
+fn a_partitioned_table_replicates_and_verifies_through_its_root() {
+    on_every_major(a_partitioned_table_replicates_and_verifies_through_its_root_on);
+}
+
+/// A partitioned table holds no rows itself: the snapshot copies its
+/// partitions' rows, its changes are published under its own name, and
+/// verify sums its partitions. Native capture refuses it by name.
+fn a_partitioned_table_replicates_and_verifies_through_its_root_on(major: Major) {
+    const EVENTS: &str = "
+        CREATE TABLE public.events (id bigint NOT NULL, region text NOT NULL, amount int NOT NULL,
+                                    PRIMARY KEY (id, region)) PARTITION BY LIST (region);
+        CREATE TABLE public.events_eu PARTITION OF public.events FOR VALUES IN ('eu');
+        CREATE TABLE public.events_us PARTITION OF public.events FOR VALUES IN ('us');";
+    let Some(source) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    source.psql(EVENTS);
+    target.psql(EVENTS);
+    let insert = |from: i64, to: i64| {
+        source.psql(&format!(
+            "INSERT INTO public.events SELECT i, CASE WHEN i % 2 = 0 THEN 'eu' ELSE 'us' END, i FROM generate_series({from}, {to}) i"
+        ));
+    };
+    insert(1, 100);
+    let init = |dir: &Path, capture: &str| {
+        ok(
+            &trellara(
+                dir,
+                &[
+                    "init",
+                    "--source-database-url",
+                    &source.connection_string("postgres"),
+                    "--target-database-url",
+                    &target.connection_string("postgres"),
+                    "--table",
+                    "public.events",
+                    "--flow",
+                    "events",
+                    "--capture",
+                    capture,
+                    "--evaluate",
+                ],
+            ),
+            "init",
+        )
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    init(d, "external");
+    let run = || {
+        ok(
+            &trellara(
+                d,
+                &["run", "--config", "trellara.yml", "--local", "--verify"],
+            ),
+            "run",
+        )
+    };
+    let out = run();
+    assert!(out.contains("events CONVERGED"), "{major}: {out}");
+    assert_eq!(
+        target.psql_value("SELECT count(*) FROM public.events"),
+        "100"
+    );
+    // Streamed changes, one moving a row to the other partition.
+    insert(101, 150);
+    source.psql(
+        "UPDATE public.events SET amount = -amount WHERE id <= 10;
+         UPDATE public.events SET region = 'us' WHERE id = 20;
+         DELETE FROM public.events WHERE id BETWEEN 30 AND 34",
+    );
+    let out = run();
+    assert!(out.contains("events CONVERGED"), "{major}: {out}");
+    assert_eq!(
+        target.psql_value("SELECT count(*) || ' ' || sum(amount) || ' ' || count(*) FILTER (WHERE region = 'us') FROM public.events"),
+        source.psql_value("SELECT count(*) || ' ' || sum(amount) || ' ' || count(*) FILTER (WHERE region = 'us') FROM public.events"),
+    );
+    target.psql("UPDATE public.events_us SET amount = amount + 1 WHERE id = 7");
+    let out = trellara(d, &["verify", "--config", "trellara.yml"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{major}: {text}");
+    assert!(text.contains("CHECKSUM_MISMATCH"), "{major}: {text}");
+
+    let native = tempfile::tempdir().expect("tempdir");
+    init(native.path(), "native");
+    let out = trellara(
+        native.path(),
+        &["run", "--config", "trellara.yml", "--local"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("table public.events is partitioned") && err.contains("capture: external"),
+        "{err}"
+    );
+}
+
 /// The one diverging range of line_items brackets order 321 narrowly.
 fn assert_narrow_range_around_321(v: &serde_json::Value) {
     let ranges = v[0]["tables"][1]["diverging_ranges"]
