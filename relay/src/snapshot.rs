@@ -277,6 +277,40 @@ pub async fn transition(
     advance(&mut PgRunStore { client, flow }, next, reason).await
 }
 
+/// Moves the run `seen` to `next` only if it is still that run in that
+/// state: what verify checked may have been re-planned meanwhile (a
+/// reseed), and its verdict must not land on the new run. False when the
+/// run moved.
+pub async fn transition_from(
+    client: &Client,
+    flow: &str,
+    seen: &RunState,
+    next: SnapshotState,
+    reason: Option<&str>,
+) -> Result<bool, SnapshotError> {
+    if !seen.state.may_become(next) {
+        return Err(SnapshotError::Transition {
+            from: seen.state.as_str(),
+            to: next.as_str(),
+        });
+    }
+    let moved = client
+        .execute(
+            "UPDATE trellara.snapshot_runs SET state = $2, reason = $3, updated_at = now()
+             WHERE flow = $1 AND run_id = $4 AND state = $5",
+            &[
+                &flow,
+                &next.as_str(),
+                &reason,
+                &seen.run_id,
+                &seen.state.as_str(),
+            ],
+        )
+        .await
+        .map_err(SnapshotError::Target)?;
+    Ok(moved == 1)
+}
+
 /// What a snapshot did, for progress and reports.
 #[derive(Debug, Clone, Default)]
 pub struct SnapshotReport {

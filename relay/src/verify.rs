@@ -455,6 +455,14 @@ pub async fn verify(
         .batch_execute(SESSION)
         .await
         .map_err(VerifyError::Target)?;
+    // The run as it was before anything was compared: the verdict moves
+    // this run's state only.
+    let snapshot = crate::snapshot::load(target, &flow.name)
+        .await
+        .map_err(|e| match e {
+            crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
+            other => VerifyError::State(other.to_string()),
+        })?;
     let run = format!("trellara run --config {config_path}");
     let mut divergences = Vec::new();
     let mut tables = Vec::new();
@@ -652,12 +660,6 @@ pub async fn verify(
         });
     }
 
-    let snapshot = crate::snapshot::load(target, &flow.name)
-        .await
-        .map_err(|e| match e {
-            crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
-            other => VerifyError::State(other.to_string()),
-        })?;
     let state = snapshot.as_ref().map(|s| s.state);
     if !matches!(
         state,
@@ -684,7 +686,9 @@ pub async fn verify(
         divergences,
         target_watermark: watermark,
         snapshot_state: state.map(|s| s.as_str().to_owned()),
-        consistent_lsn: snapshot.and_then(|s| s.consistent_lsn.map(|l| l.to_string())),
+        consistent_lsn: snapshot
+            .as_ref()
+            .and_then(|s| s.consistent_lsn.map(|l| l.to_string())),
         transactions_applied: transactions,
         duplicates_skipped: duplicates,
         only_table: only_table.map(str::to_owned),
@@ -721,13 +725,23 @@ pub async fn verify(
                 .collect::<Vec<_>>()
                 .join(", ")
         });
-        crate::snapshot::transition(target, &flow.name, next, reason.as_deref())
-            .await
-            .map_err(|e| match e {
-                crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
-                other => VerifyError::State(other.to_string()),
-            })?;
-        verdict.snapshot_state = Some(next.as_str().to_owned());
+        let seen = snapshot
+            .as_ref()
+            .ok_or_else(|| VerifyError::State("the run vanished".into()))?;
+        let moved =
+            crate::snapshot::transition_from(target, &flow.name, seen, next, reason.as_deref())
+                .await
+                .map_err(|e| match e {
+                    crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
+                    other => VerifyError::State(other.to_string()),
+                })?;
+        if moved {
+            verdict.snapshot_state = Some(next.as_str().to_owned());
+        } else {
+            // A reseed re-planned the run while verify compared: this
+            // verdict is about the run before it and moves nothing.
+            tracing::warn!(flow = %flow.name, "the snapshot run changed while verify ran; its state was left as is");
+        }
     }
     let evidence = serde_json::to_string(&verdict).unwrap_or_default();
     target

@@ -977,6 +977,64 @@ fn a_partitioned_table_replicates_and_verifies_through_its_root_on(major: Major)
     );
 }
 
+#[test]
+fn a_verdict_moves_only_the_run_it_checked() {
+    on_every_major(a_verdict_moves_only_the_run_it_checked_on);
+}
+
+/// Verify reads the snapshot run before it compares anything; a run
+/// re-planned meanwhile (a reseed) is not the one its verdict promotes.
+fn a_verdict_moves_only_the_run_it_checked_on(major: Major) {
+    use trellara_relay::{snapshot, state::SnapshotState};
+    let Some(p) = pair(major) else {
+        return;
+    };
+    workload(&p.source, 1, 5);
+    ok(
+        &trellara(
+            p.dir.path(),
+            &["run", "--config", "trellara.yml", "--local"],
+        ),
+        "run",
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let target = trellara_relay::flow::connect(&p.target.connection_string("postgres"), "target")
+            .await
+            .expect("connect");
+        let seen = snapshot::load(&target, "shop")
+            .await
+            .expect("load")
+            .expect("a run");
+        assert_eq!(seen.state, SnapshotState::StreamHandoffReady);
+        // Another process re-plans the run between the load and the verdict.
+        target
+            .batch_execute("UPDATE trellara.snapshot_runs SET run_id = run_id + 1, state = 'planned' WHERE flow = 'shop'")
+            .await
+            .expect("re-plan");
+        let moved = snapshot::transition_from(&target, "shop", &seen, SnapshotState::Verified, None)
+            .await
+            .expect("transition");
+        assert!(!moved, "the verdict of the old run moved the new one");
+        let now = snapshot::load(&target, "shop").await.expect("load").expect("run");
+        assert_eq!(now.state, SnapshotState::Planned);
+        // The run as it now is moves.
+        target
+            .batch_execute("UPDATE trellara.snapshot_runs SET state = 'stream_handoff_ready' WHERE flow = 'shop'")
+            .await
+            .expect("back");
+        let now = snapshot::load(&target, "shop").await.expect("load").expect("run");
+        assert!(
+            snapshot::transition_from(&target, "shop", &now, SnapshotState::Verified, None)
+                .await
+                .expect("transition")
+        );
+    });
+}
+
 /// The one diverging range of line_items brackets order 321 narrowly.
 fn assert_narrow_range_around_321(v: &serde_json::Value) {
     let ranges = v[0]["tables"][1]["diverging_ranges"]
