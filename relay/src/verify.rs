@@ -64,6 +64,32 @@ pub struct Verdict {
     pub only_table: Option<String>,
 }
 
+impl VerifyError {
+    /// A database error met while comparing `table`, named with it.
+    fn in_table(self, table: &str) -> Self {
+        let (side, e) = match self {
+            VerifyError::Source(e) => ("source", e),
+            VerifyError::Target(e) => ("target", e),
+            other => return other,
+        };
+        let db = e.as_db_error();
+        let hint = match db.map(|d| d.code().code()) {
+            // undefined_table, undefined_column, datatype_mismatch
+            Some("42P01" | "42703" | "42804") => format!(
+                "the {side}'s {table} does not have what the source's has; `trellara preflight --config` names the difference"
+            ),
+            Some("42501") => format!("grant the role SELECT on {table} on the {side}"),
+            _ => format!("check that the {side} is reachable and rerun verify"),
+        };
+        VerifyError::Table {
+            table: table.to_owned(),
+            side,
+            message: db.map_or_else(|| e.to_string(), |d| d.message().to_owned()),
+            hint,
+        }
+    }
+}
+
 impl Verdict {
     pub fn converged(&self) -> bool {
         self.divergences.is_empty()
@@ -82,6 +108,13 @@ pub enum VerifyError {
     BadTable(String),
     #[error("the flow's snapshot state on the target: {0}")]
     State(String),
+    #[error("compare {table} on the {side}: {message}\nhint: {hint}")]
+    Table {
+        table: String,
+        side: &'static str,
+        message: String,
+        hint: String,
+    },
     #[error(
         "lock the log directory {path} to read it: {source}; check that this user may write there"
     )]
@@ -471,7 +504,9 @@ pub async fn verify(
         .iter()
         .filter(|t| only_table.is_none_or(|o| o == t.as_str()))
     {
-        let e = verify_table(source, target, table, chunk_rows).await?;
+        let e = verify_table(source, target, table, chunk_rows)
+            .await
+            .map_err(|e| e.in_table(table))?;
         if e.source_rows != e.target_rows {
             divergences.push(Divergence {
                 code: "ROW_COUNT_MISMATCH",

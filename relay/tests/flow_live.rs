@@ -874,6 +874,18 @@ fn verify_counts_null_keys_and_orders_keys_alike_on(major: Major) {
         serde_json::json!(["(name IS NULL)"]),
         "{v}"
     );
+
+    // A target table that lacks a column is an error naming the table.
+    latin1
+        .batch_execute("ALTER TABLE public.tags DROP COLUMN label")
+        .expect("drop column");
+    let out = trellara(d, &["verify", "--config", "trellara.yml"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "could not verify: {err}");
+    assert!(
+        err.contains("compare public.tags on the target") && err.contains("trellara preflight"),
+        "{err}"
+    );
 }
 
 #[test]
