@@ -65,6 +65,34 @@ pub enum FlowError {
     },
 }
 
+impl FlowError {
+    /// Whether following again may succeed without anyone fixing anything:
+    /// a database that could not be reached, went away or shut down (the
+    /// next round reconnects and resumes from the target's checkpoint).
+    pub fn retryable(&self) -> bool {
+        fn unreachable(e: &tokio_postgres::Error) -> bool {
+            e.is_closed()
+                || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
+                || e.as_db_error().is_some_and(|d| {
+                    let code = d.code().code();
+                    // connection exception, operator intervention, resources
+                    ["08", "57", "53"].iter().any(|c| code.starts_with(c))
+                })
+        }
+        match self {
+            FlowError::Connect { source, .. } | FlowError::Target(source) => unreachable(source),
+            FlowError::Apply(ApplyError::Target(crate::apply::TargetError::Postgres(e))) => {
+                unreachable(e)
+            }
+            FlowError::Apply(ApplyError::Target(crate::apply::TargetError::Durability(_))) => true,
+            FlowError::Snapshot(
+                snapshot::SnapshotError::Target(e) | snapshot::SnapshotError::Source(e),
+            ) => unreachable(e),
+            _ => false,
+        }
+    }
+}
+
 /// What one `run` did.
 #[derive(Debug, Default, Clone)]
 pub struct RunReport {
@@ -74,6 +102,85 @@ pub struct RunReport {
     pub capture_duplicates_skipped: u64,
     pub apply: ApplyStats,
     pub caught_up_to: Option<Lsn>,
+}
+
+impl RunReport {
+    /// Adds what a later round of the same flow did.
+    fn add(&mut self, later: RunReport) {
+        self.snapshot = self.snapshot.take().or(later.snapshot);
+        self.envelopes_captured += later.envelopes_captured;
+        self.capture_duplicates_skipped += later.capture_duplicates_skipped;
+        crate::apply::accumulate(&mut self.apply, later.apply);
+        self.caught_up_to = later.caught_up_to.or(self.caught_up_to);
+    }
+}
+
+/// Turns true on the first SIGTERM or Ctrl-C from now on, whatever the
+/// process is doing then (connecting, copying, waiting to retry).
+pub fn shutdown_signal() -> tokio::sync::watch::Receiver<bool> {
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        until_signal().await;
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+/// First wait before following again after a database went away; it
+/// doubles up to [`RETRY_MAX`], and starts over after a round that ran
+/// [`RETRY_RESET`].
+const RETRY_FIRST: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+const RETRY_RESET: Duration = Duration::from_secs(60);
+
+/// `run --follow`: follows until SIGTERM or Ctrl-C, riding through a
+/// source or target that restarts or cannot be reached for a while. Each
+/// retry is a new round (connect, lock, capture from the slot, apply from
+/// the checkpoint), so nothing is lost or applied twice. Errors that need
+/// someone (a quarantined transaction, a bad config) end it.
+pub async fn follow(
+    flow: &Flow,
+    index: usize,
+    config_path: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<RunReport, FlowError> {
+    let mut shutdown = shutdown_signal();
+    let mut total = RunReport {
+        flow: flow.name.clone(),
+        ..RunReport::default()
+    };
+    let mut delay = RETRY_FIRST;
+    loop {
+        let started = std::time::Instant::now();
+        let options = RunOptions {
+            follow: true,
+            until: None,
+            watch: &mut NoWatch,
+            shutdown: Some(shutdown.clone()),
+        };
+        match run_watched(flow, index, config_path, options, progress).await {
+            Ok(report) => {
+                total.add(report);
+                return Ok(total);
+            }
+            Err(e) if e.retryable() && !*shutdown.borrow() => {
+                if started.elapsed() >= RETRY_RESET {
+                    delay = RETRY_FIRST;
+                }
+                progress(&format!(
+                    "{}; following again in {} s",
+                    crate::cli::chain(&anyhow::Error::new(e)),
+                    delay.as_secs()
+                ));
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    _ = shutdown.wait_for(|stop| *stop) => return Ok(total),
+                }
+                delay = (delay * 2).min(RETRY_MAX);
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Opens a plain SQL connection; the connection task runs in the background.
@@ -220,6 +327,9 @@ pub struct RunOptions<'a, W: Watch> {
     /// With `follow`: stop after this long.
     pub until: Option<Duration>,
     pub watch: &'a mut W,
+    /// With `follow`: stop when this turns true (see [`shutdown_signal`]);
+    /// without, a SIGTERM or Ctrl-C received once the round streams.
+    pub shutdown: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 /// Snapshot if needed, then capture and apply together until caught up
@@ -236,6 +346,7 @@ pub async fn run_once(
         follow,
         until: None,
         watch: &mut NoWatch,
+        shutdown: None,
     };
     run_watched(flow, index, config_path, options, progress).await
 }
@@ -252,6 +363,7 @@ pub async fn run_watched<W: Watch>(
         follow,
         until,
         watch,
+        shutdown,
     } = options;
     let log_dir = flow
         .log_dir()
@@ -380,7 +492,14 @@ pub async fn run_watched<W: Watch>(
     let stop = async move {
         tokio::select! {
             _ = rx.wait_for(|durable| *durable >= goal), if !follow => {}
-            () = until_signal(), if follow => {}
+            () = async {
+                match shutdown {
+                    Some(mut stop) => {
+                        let _ = stop.wait_for(|stop| *stop).await;
+                    }
+                    None => until_signal().await,
+                }
+            }, if follow => {}
             () = tokio::time::sleep(until.unwrap_or_default()), if follow && until.is_some() => {}
             _ = failed_rx.wait_for(|f| *f) => {}
         }

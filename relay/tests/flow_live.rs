@@ -1387,6 +1387,64 @@ fn follow_applies_as_it_goes_and_stops_cleanly_on_sigterm_on(major: Major) {
     assert!(out.contains("shop CONVERGED"), "{out}");
 }
 
+#[test]
+fn follow_rides_through_a_target_restart() {
+    on_every_major(follow_rides_through_a_target_restart_on);
+}
+
+/// The target server crashes and restarts under `run --follow`: the
+/// follower reconnects by itself and goes on, nothing lost or doubled,
+/// and still stops cleanly on SIGTERM.
+fn follow_rides_through_a_target_restart_on(major: Major) {
+    let Some(mut p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path().to_owned();
+    workload(&p.source, 1, 5);
+    let log = std::fs::File::create(d.join("follow.log")).expect("log file");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(&d)
+        .args(["run", "--config", "trellara.yml", "--local", "--follow"])
+        .stdout(log)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn run --follow");
+    let wait_for = |target: &Cluster, want: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while target.psql_value("SELECT count(*) FROM public.orders") != want {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "orders never reached {want}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    wait_for(&p.target, "5");
+    p.target
+        .crash_restart()
+        .expect("crash and restart the target");
+    workload(&p.source, 100, 10);
+    wait_for(&p.target, "15");
+    assert!(
+        child.try_wait().expect("poll").is_none(),
+        "the follower kept running"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("sigterm");
+    let status = child.wait().expect("reap");
+    let said = std::fs::read_to_string(d.join("follow.log")).unwrap_or_default();
+    assert!(status.success(), "exit 0 on SIGTERM: {status}\n{said}");
+    assert!(said.contains("following again in"), "{said}");
+    let out = ok(
+        &trellara(&d, &["verify", "--config", "trellara.yml"]),
+        "verify",
+    );
+    assert!(out.contains("shop CONVERGED"), "{out}");
+}
+
 /// Chunk `index` of `count` of a transaction at `commit`, inserting id `id`.
 fn sales_chunk(commit: u64, index: u32, count: u32, id: i64) -> Vec<u8> {
     let mut env = trellara_common::sample::chunk(commit, index, count);

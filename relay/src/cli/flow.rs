@@ -336,13 +336,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         };
         // A flow that stops (a quarantined transaction, an unreachable
         // database) does not hold the others back.
-        match rt.block_on(flow::run_once(
-            f,
-            index,
-            &config_path,
-            args.follow,
-            &mut progress,
-        )) {
+        let round = if args.follow {
+            rt.block_on(flow::follow(f, index, &config_path, &mut progress))
+        } else {
+            rt.block_on(flow::run_once(f, index, &config_path, false, &mut progress))
+        };
+        match round {
             Ok(report) => reports.push(report),
             Err(e) => failed.push(anyhow::Error::new(e).context(format!("flow {}", f.name))),
         }

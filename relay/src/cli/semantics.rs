@@ -77,6 +77,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
             follow: true,
             until: Some(Duration::from_secs(args.duration)),
             watch: &mut observer,
+            shutdown: Some(flow::shutdown_signal()),
         };
         // A flow that stops (say, a quarantined transaction) ends the
         // observation; what was observed until then is still reported.
