@@ -301,6 +301,7 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
     let mut names = std::collections::HashSet::new();
     let mut log_dirs = std::collections::HashSet::new();
     let mut topics = std::collections::HashSet::new();
+    let mut source_names = std::collections::HashSet::new();
     for (i, flow) in config.flows.iter().enumerate() {
         let at = |field: &str| format!("flows[{i}].{field}");
         if !valid_name(&flow.name) {
@@ -326,6 +327,27 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
                 format!("{} is the log of another flow", dir.display()),
                 "give each flow its own log_dir, e.g. ./.trellara/<flow>",
             );
+        }
+        // On one source, a second flow on the same slot would steal the
+        // first's stream, and on the same publication would capture the
+        // first's tables only.
+        let source = &flow.source.url;
+        let on = (
+            source.url.clone(),
+            source.url_env.clone(),
+            source.url_file.clone(),
+        );
+        for (field, value) in [
+            ("source.slot", flow.slot()),
+            ("source.publication", flow.publication()),
+        ] {
+            if !source_names.insert((on.clone(), field, value.clone())) {
+                issue(
+                    at(field),
+                    format!("{value:?} is also another flow's, on the same source"),
+                    "set a distinct source.slot / source.publication, or rename the flow (names that differ only in '-' and '_' default to the same ones)",
+                );
+            }
         }
         for (side, secret) in [("source", &flow.source.url), ("target", &flow.target.url)] {
             let set = [
@@ -582,6 +604,37 @@ flows:
             "{GOOD}{second}    transport:\n      kind: local\n      log_dir: ./.trellara/other\n"
         );
         assert!(validate(&parse(&own).expect("parses")).is_empty());
+    }
+
+    #[test]
+    fn two_flows_on_one_source_cannot_share_a_slot_or_publication() {
+        let second = |name: &str, url: &str| {
+            format!(
+                "  - name: {name}\n    source:\n      url: {url}\n    target:\n      url_env: TARGET_URL\n    tables: [public.sales]\n    transport:\n      kind: local\n      log_dir: ./.trellara/{name}\n"
+            )
+        };
+        let shop = "postgresql://postgres@127.0.0.1:5432/shop";
+        // `shop-x` and `shop_x` default to the same names.
+        let clash = format!(
+            "{GOOD}    transport:\n      kind: local\n      log_dir: ./.trellara/a\n{}{}",
+            second("shop-x", shop),
+            second("shop_x", shop)
+        );
+        let issues = validate(&parse(&clash).expect("parses"));
+        let fields: Vec<&str> = issues.iter().map(|i| i.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            ["flows[2].source.slot", "flows[2].source.publication"],
+            "{issues:?}"
+        );
+        // On other sources the same names are each source's own.
+        let apart = format!(
+            "{GOOD}    transport:\n      kind: local\n      log_dir: ./.trellara/a\n{}{}",
+            second("shop-x", "postgresql://postgres@127.0.0.1:5433/shop"),
+            second("shop_x", "postgresql://postgres@127.0.0.1:5434/shop")
+        );
+        let issues = validate(&parse(&apart).expect("parses"));
+        assert!(issues.is_empty(), "{issues:?}");
     }
 
     #[test]

@@ -167,7 +167,13 @@ fn chaos_run_prints_the_matrix() {
 
 #[test]
 fn unbuilt_commands_say_so() {
-    for cmd in ["fleet", "lake", "config"] {
+    for cmd in [
+        "fleet",
+        "lake",
+        "config",
+        "pilot-scorecard",
+        "pilot-package",
+    ] {
         let out = trellara(&[cmd, "--config", "trellara.yml"]);
         assert_eq!(out.status.code(), Some(1), "{cmd}");
         let err = String::from_utf8_lossy(&out.stderr);
@@ -235,6 +241,43 @@ fn config_errors_name_the_file_and_the_fix() {
         "public.sales",
     ]);
     assert_eq!(again.status.code(), Some(1), "refuses to overwrite");
+}
+
+/// The URL exported as `init` advises does not collide with `--config`
+/// (clap counts an environment value as given).
+#[test]
+fn an_exported_source_url_leaves_config_commands_alone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_trellara"))
+            .current_dir(dir.path())
+            .env("TRELLARA_SOURCE_DATABASE_URL", "postgresql://u@h/db")
+            .env("TRELLARA_TARGET_DATABASE_URL", "postgresql://u@h/t")
+            .args(args)
+            .output()
+            .expect("run trellara")
+    };
+    let out = run(&[
+        "init",
+        "--source-database-url",
+        "postgresql://u@h/db",
+        "--target-database-url",
+        "postgresql://u@h/t",
+        "--table",
+        "public.sales",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&["check", "--config", "trellara.yml"]);
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// `trellara chaos run | head`: a reader that goes away ends the run

@@ -12,6 +12,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// Exit status of verify: 0 converged, 1 diverged, 2 could not verify.
+/// The environment variable that keeps a source URL (and its password)
+/// out of the process list.
+pub(super) const SOURCE_URL_ENV: &str = "TRELLARA_SOURCE_DATABASE_URL";
 const EXIT_DIVERGED: u8 = 1;
 const EXIT_ERROR: u8 = 2;
 
@@ -53,7 +56,10 @@ pub struct CheckArgs {
     #[arg(long, conflicts_with = "database_url")]
     config: Option<PathBuf>,
     /// Grade a live source instead, read-only (the `trellara-check` grader).
-    #[arg(long, env = "TRELLARA_SOURCE_DATABASE_URL", hide_env_values = true)]
+    /// Without --config or this flag, TRELLARA_SOURCE_DATABASE_URL.
+    // Read by hand, not with clap's `env`: clap counts an environment value
+    // as given, so an exported URL would conflict with --config.
+    #[arg(long)]
     database_url: Option<String>,
     /// With --database-url: tables to be captured (schema.table).
     #[arg(long = "table")]
@@ -70,7 +76,9 @@ pub struct CheckArgs {
 pub struct RunArgs {
     #[arg(long, default_value = "trellara.yml")]
     config: PathBuf,
-    /// Use the local durable log (the evaluation transport).
+    /// Run capture, the durable log and the applier in this process (the
+    /// one way `run` works in this build; the flow's transport still
+    /// decides between the local log and Kafka).
     #[arg(long)]
     local: bool,
     /// End with `verify` and its exit status.
@@ -203,9 +211,12 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
 
 pub fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
     let Some(path) = args.config else {
-        let Some(url) = args.database_url else {
+        let Some(url) = args
+            .database_url
+            .or_else(|| std::env::var(SOURCE_URL_ENV).ok().filter(|u| !u.is_empty()))
+        else {
             anyhow::bail!(
-                "pass --config trellara.yml to validate a config offline, or --database-url URL to grade a source"
+                "pass --config trellara.yml to validate a config offline, or --database-url URL (or {SOURCE_URL_ENV}) to grade a source"
             );
         };
         let request = trellara_check::Request {
@@ -214,6 +225,11 @@ pub fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
         };
         return grade(&url, &request, &args.format);
     };
+    if args.format == "html" {
+        anyhow::bail!(
+            "--format html is the grader's report (with --database-url); a config check prints text or json"
+        );
+    }
     let format = if args.format == "json" {
         Format::Json
     } else {
@@ -308,7 +324,12 @@ pub(super) fn flows<'a>(
         .filter(|(_, f)| only.is_none_or(|o| f.name == o))
         .collect();
     if selected.is_empty() {
-        anyhow::bail!("no flow named {:?} in the config", only.unwrap_or(""));
+        let names: Vec<&str> = config.flows.iter().map(|f| f.name.as_str()).collect();
+        anyhow::bail!(
+            "no flow named {:?} in the config\nhint: --flow takes one of: {}",
+            only.unwrap_or(""),
+            names.join(", ")
+        );
     }
     Ok(selected)
 }
@@ -469,7 +490,17 @@ fn verify_flows_or_fail(
         verdicts.push(verdict);
     }
     if verdicts.is_empty() {
-        anyhow::bail!("no flow replicates table {:?}", table.unwrap_or(""));
+        let tables: Vec<&str> = config
+            .flows
+            .iter()
+            .filter(|f| only_flow.is_none_or(|o| f.name == o))
+            .flat_map(|f| f.tables.iter().map(String::as_str))
+            .collect();
+        anyhow::bail!(
+            "no flow replicates table {:?}\nhint: --table takes schema.table as the config lists it: {}",
+            table.unwrap_or(""),
+            tables.join(", ")
+        );
     }
     match format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&verdicts)?),
@@ -681,15 +712,30 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
     let config = config::load(&args.config)?;
     let config_path = args.config.display().to_string();
     let rt = runtime()?;
+    let text = args.format == Format::Text;
+    let mut reports = Vec::new();
     for (index, f) in flows(&config, args.flow.as_deref())? {
         rt.block_on(flow::request_reseed(
             f,
             index,
             "reseed requested by the operator",
         ))?;
-        let mut progress = |line: &str| println!("[{}] {line}", f.name);
-        rt.block_on(flow::run_once(f, index, &config_path, false, &mut progress))
-            .with_context(|| format!("reseed flow {}", f.name))?;
+        // JSON on stdout is the report alone; progress goes to stderr.
+        let mut progress = |line: &str| {
+            if text {
+                println!("[{}] {line}", f.name);
+            } else {
+                eprintln!("[{}] {line}", f.name);
+            }
+        };
+        reports.push(
+            rt.block_on(flow::run_once(f, index, &config_path, false, &mut progress))
+                .with_context(|| format!("reseed flow {}", f.name))?,
+        );
+    }
+    if !text && !args.verify {
+        let out: Vec<_> = reports.iter().map(run_json).collect();
+        println!("{}", serde_json::to_string_pretty(&out)?);
     }
     if args.verify {
         return verify_flows(

@@ -90,6 +90,12 @@ pub enum Command {
     /// Observe the target while a flow applies: was anything half-applied?
     #[command(hide = true)]
     Semantics(semantics::SemanticsArgs),
+    /// The pilot scorecard (evidence tooling).
+    #[command(hide = true, name = "pilot-scorecard")]
+    PilotScorecard(NotBuilt),
+    /// The pilot's forwardable evidence package.
+    #[command(hide = true, name = "pilot-package")]
+    PilotPackage(NotBuilt),
 }
 
 /// Arguments of a command that has not landed yet: accepted, then refused
@@ -144,6 +150,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Preflight(args) => return flow::preflight(args),
         Command::Fleet(_) => ("fleet", "the fleet fan-in issue"),
         Command::Lake(_) => ("lake", "the fleet fan-in issue"),
+        Command::PilotScorecard(_) => ("pilot-scorecard", "the evidence package issue"),
+        Command::PilotPackage(_) => ("pilot-package", "the evidence package issue"),
         Command::Config(_) => (
             "config",
             "a later issue (config show/migrate); `trellara check --config` validates today",

@@ -15,13 +15,9 @@ use trellara_external_relay::pgoutput::ProtoVersion;
 pub struct RelayArgs {
     /// Source connection string (postgresql://user[:password]@host:port/db?sslmode=...).
     /// Prefer TRELLARA_SOURCE_DATABASE_URL to keep the password out of ps.
-    #[arg(
-        long,
-        env = "TRELLARA_SOURCE_DATABASE_URL",
-        hide_env_values = true,
-        required_unless_present_any = ["native_socket", "config"],
-        conflicts_with = "native_socket"
-    )]
+    // Read by hand when absent, not with clap's `env`: clap counts an
+    // environment value as given, and it would conflict with native mode.
+    #[arg(long, conflicts_with = "native_socket")]
     source_database_url: Option<String>,
     /// Logical replication slot (pgoutput).
     #[arg(
@@ -123,11 +119,17 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         };
         return serve_native(&runtime, config);
     }
-    let source = args
-        .source_database_url
-        .unwrap_or_default()
-        .parse()
-        .context("--source-database-url")?;
+    let Some(url) = args.source_database_url.or_else(|| {
+        std::env::var(super::flow::SOURCE_URL_ENV)
+            .ok()
+            .filter(|u| !u.is_empty())
+    }) else {
+        anyhow::bail!(
+            "no source: pass --source-database-url URL or set {} (or --native-socket, or --config for a native flow)",
+            super::flow::SOURCE_URL_ENV
+        );
+    };
+    let source = url.parse().context("--source-database-url")?;
     let config = CaptureConfig {
         source,
         slot: args.slot.unwrap_or_default(),
