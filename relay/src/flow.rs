@@ -57,6 +57,17 @@ pub enum FlowError {
     },
     #[error(transparent)]
     NativeRelay(#[from] crate::native::NativeError),
+    #[error(
+        "flow {flow}: {tables} joined the flow after its snapshot, so {it} never copied and cannot just be streamed\nhint: trellara reseed --config {config} (a new boundary; every table is copied again)"
+    )]
+    TablesAdded {
+        flow: String,
+        tables: String,
+        it: &'static str,
+        config: String,
+    },
+    #[error("{what} reads {text:?}, not an LSN")]
+    BadLsn { what: String, text: String },
     #[error("log directory {path}: {source}")]
     LogDir {
         path: String,
@@ -84,7 +95,6 @@ impl FlowError {
             FlowError::Apply(ApplyError::Target(crate::apply::TargetError::Postgres(e))) => {
                 unreachable(e)
             }
-            FlowError::Apply(ApplyError::Target(crate::apply::TargetError::Durability(_))) => true,
             FlowError::Snapshot(
                 snapshot::SnapshotError::Target(e) | snapshot::SnapshotError::Source(e),
             ) => unreachable(e),
@@ -411,10 +421,38 @@ pub async fn run_watched<W: Watch>(
             ))
         ));
         report.snapshot = Some(snapshot::run(flow, &source_url, &source, &target, progress).await?);
+    } else {
+        let copied: Vec<String> = target
+            .query(
+                "SELECT table_name FROM trellara.snapshot_tables WHERE flow = $1",
+                &[&flow.name],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let added: Vec<&str> = flow
+            .tables
+            .iter()
+            .filter(|t| !copied.contains(t))
+            .map(String::as_str)
+            .collect();
+        if !added.is_empty() {
+            return Err(FlowError::TablesAdded {
+                flow: flow.name.clone(),
+                it: if added.len() == 1 {
+                    "it was"
+                } else {
+                    "they were"
+                },
+                tables: added.join(", "),
+                config: config_path.to_owned(),
+            });
+        }
     }
 
     // Capture until everything committed before now is durable.
-    let goal: Lsn = source
+    let goal: String = source
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
         .await
         .map_err(|source| FlowError::Connect {
@@ -422,17 +460,30 @@ pub async fn run_watched<W: Watch>(
             target: redact(&source_url),
             source,
         })?
-        .get::<_, String>(0)
-        .parse()
-        .unwrap_or(Lsn::ZERO);
-    let floor: Lsn = target
+        .get::<_, String>(0);
+    let goal: Lsn = goal.parse().map_err(|_| FlowError::BadLsn {
+        what: "the source's pg_current_wal_lsn()".into(),
+        text: goal.clone(),
+    })?;
+    let floor: Lsn = match target
         .query_opt(
             "SELECT end_lsn::text FROM trellara.checkpoints WHERE flow = $1",
             &[&flow.name],
         )
         .await?
-        .and_then(|r| r.get::<_, String>(0).parse().ok())
-        .unwrap_or(Lsn::ZERO);
+    {
+        None => Lsn::ZERO,
+        Some(row) => {
+            let text: String = row.get(0);
+            text.parse().map_err(|_| FlowError::BadLsn {
+                what: format!(
+                    "the target's trellara.checkpoints.end_lsn of flow {}",
+                    flow.name
+                ),
+                text: text.clone(),
+            })?
+        }
+    };
     let (tx, mut rx) = tokio::sync::watch::channel(Lsn::ZERO);
     let tx = Arc::new(tx);
     let begun = Arc::new(tokio::sync::Notify::new());

@@ -47,6 +47,12 @@ pub enum SnapshotError {
         problem: String,
         hint: String,
     },
+    #[error("publication {name} on the source {problem}\nhint: {fix}")]
+    Publication {
+        name: String,
+        problem: String,
+        fix: String,
+    },
     #[error("snapshot state {from} cannot become {to}")]
     Transition {
         from: &'static str,
@@ -355,7 +361,9 @@ pub(crate) async fn run_machine<I: SnapshotIo>(
 ) -> Result<SnapshotReport, SnapshotError> {
     // Publication first: the slot's stream is filtered by it.
     if let Some(publication) = io.ensure_publication().await? {
-        progress(&format!("created publication {publication}"));
+        progress(&format!(
+            "publication {publication}: created, or brought up to the flow's tables"
+        ));
     }
     let (slot, dropped) = io.create_slot().await?;
     if dropped {
@@ -412,6 +420,99 @@ impl std::fmt::Debug for PgSnapshot<'_> {
     }
 }
 
+impl PgSnapshot<'_> {
+    /// An existing publication must stream everything the flow copies:
+    /// every table, every kind of change, no row filter, partitioned tables
+    /// under their own name. The flow's own publication (default name) is
+    /// brought up to that; one the operator named is refused with the fix.
+    async fn reconcile_publication(
+        &mut self,
+        publication: &str,
+    ) -> Result<Option<String>, SnapshotError> {
+        let source = self.source;
+        let row = source
+            .query_one(
+                "SELECT puballtables, pubinsert AND pubupdate AND pubdelete AND pubtruncate, pubviaroot
+                 FROM pg_publication WHERE pubname = $1",
+                &[&publication],
+            )
+            .await
+            .map_err(SnapshotError::Source)?;
+        let (all_tables, every_action, via_root): (bool, bool, bool) =
+            (row.get(0), row.get(1), row.get(2));
+        let mut missing = Vec::new();
+        let mut filtered = Vec::new();
+        let mut partitioned = false;
+        for table in &self.flow.tables {
+            let Some((schema, name)) = split_table(table) else {
+                continue;
+            };
+            let quoted = format!("\"{schema}\".\"{name}\"");
+            partitioned |= crate::snapshot::partitioned(source, &quoted)
+                .await
+                .map_err(SnapshotError::Source)?;
+            // A member by name (a partitioned one is listed by its leaves
+            // without publish_via_partition_root), or by schema / ALL TABLES.
+            let row = source
+                .query_one(
+                    "WITH rel AS (SELECT pr.prqual FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+                                  WHERE p.pubname = $1 AND pr.prrelid = to_regclass($3))
+                     SELECT EXISTS (SELECT 1 FROM rel)
+                            OR EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname || '.' || tablename = $2),
+                            EXISTS (SELECT 1 FROM rel WHERE prqual IS NOT NULL)",
+                    &[&publication, table, &quoted],
+                )
+                .await
+                .map_err(SnapshotError::Source)?;
+            let (member, has_filter): (bool, bool) = (row.get(0), row.get(1));
+            if has_filter {
+                filtered.push(table.clone());
+            } else if !member && !all_tables {
+                missing.push(quoted);
+            }
+        }
+        if !filtered.is_empty() {
+            return Err(SnapshotError::Publication {
+                name: publication.to_owned(),
+                problem: format!(
+                    "filters the rows of {}: the stream would lack rows the snapshot copies",
+                    filtered.join(", ")
+                ),
+                fix: format!(
+                    "drop the row filter (ALTER PUBLICATION {publication} SET TABLE ... without WHERE), or name another publication in source.publication"
+                ),
+            });
+        }
+        let mut fixes = Vec::new();
+        if !missing.is_empty() {
+            fixes.push(format!(
+                "ALTER PUBLICATION {publication} ADD TABLE {}",
+                missing.join(", ")
+            ));
+        }
+        if !every_action || (partitioned && !via_root) {
+            fixes.push(format!(
+                "ALTER PUBLICATION {publication} SET (publish = 'insert, update, delete, truncate', publish_via_partition_root = true)"
+            ));
+        }
+        if fixes.is_empty() {
+            return Ok(None);
+        }
+        if self.flow.source.publication.is_some() {
+            return Err(SnapshotError::Publication {
+                name: publication.to_owned(),
+                problem: "does not stream all the flow copies (a table, or a kind of change, is left out)".into(),
+                fix: format!("on the source: {}", fixes.join("; ")),
+            });
+        }
+        source
+            .batch_execute(&fixes.join("; "))
+            .await
+            .map_err(SnapshotError::Source)?;
+        Ok(Some(publication.to_owned()))
+    }
+}
+
 impl RunStore for PgSnapshot<'_> {
     async fn load_run(&mut self) -> Result<Option<RunState>, SnapshotError> {
         load(self.target, &self.flow.name).await
@@ -444,7 +545,7 @@ impl SnapshotIo for PgSnapshot<'_> {
             .map_err(SnapshotError::Source)?
             .get(0);
         if exists {
-            return Ok(None);
+            return self.reconcile_publication(&publication).await;
         }
         let tables: Vec<String> = self
             .flow

@@ -990,6 +990,141 @@ fn a_partitioned_table_replicates_and_verifies_through_its_root_on(major: Major)
 }
 
 #[test]
+fn a_table_added_to_the_flow_is_refused_until_a_reseed_copies_and_streams_it() {
+    on_every_major(a_table_added_to_the_flow_on);
+}
+
+/// A table added to the config after the snapshot was never copied: `run`
+/// refuses it and names `reseed`, which copies it and brings the flow's
+/// existing publication up to it, so its changes stream from then on.
+fn a_table_added_to_the_flow_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 5);
+    let run = |args: &[&str]| trellara(d, args);
+    ok(
+        &run(&["run", "--config", "trellara.yml", "--local"]),
+        "first run",
+    );
+    for c in [&p.source, &p.target] {
+        c.psql("CREATE TABLE public.extra (id int PRIMARY KEY, v text)");
+    }
+    p.source
+        .psql("INSERT INTO public.extra SELECT i, 'v' || i FROM generate_series(1, 7) i");
+    let config = d.join("trellara.yml");
+    let text = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(
+        &config,
+        text.replace(
+            "  - public.line_items\n",
+            "  - public.line_items\n  - public.extra\n",
+        ),
+    )
+    .expect("add a table");
+    let out = run(&["run", "--config", "trellara.yml", "--local"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("public.extra joined the flow after its snapshot")
+            && err.contains("trellara reseed --config"),
+        "{err}"
+    );
+    let out = ok(
+        &run(&["reseed", "--config", "trellara.yml", "--verify"]),
+        "reseed",
+    );
+    assert!(out.contains("shop CONVERGED"), "{out}");
+    assert_eq!(
+        p.target.psql_value("SELECT count(*) FROM public.extra"),
+        "7"
+    );
+    // Streamed from now on: the publication holds the table.
+    p.source.psql(
+        "INSERT INTO public.extra VALUES (8, 'v8'); UPDATE public.extra SET v = 'w' WHERE id = 1",
+    );
+    let out = ok(
+        &run(&["run", "--config", "trellara.yml", "--local", "--verify"]),
+        "run after the reseed",
+    );
+    assert!(out.contains("shop CONVERGED"), "{out}");
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) || ' ' || max(v) FROM public.extra"),
+        "8 w"
+    );
+}
+
+#[test]
+fn truncates_apply_with_their_own_restart_identity() {
+    on_every_major(truncates_apply_with_their_own_restart_identity_on);
+}
+
+/// Two TRUNCATEs applied in one target transaction, one with RESTART
+/// IDENTITY: only that one's table has its sequence reset.
+fn truncates_apply_with_their_own_restart_identity_on(major: Major) {
+    let Some(source) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    for c in [&source, &target] {
+        c.psql(
+            "CREATE TABLE public.a (id serial PRIMARY KEY, v int);
+             CREATE TABLE public.b (id serial PRIMARY KEY, v int);",
+        );
+    }
+    source.psql("INSERT INTO public.a (v) SELECT generate_series(1, 3); INSERT INTO public.b (v) SELECT generate_series(1, 3)");
+    // The target's own sequences, far from where a reset would put them.
+    target.psql("SELECT setval('public.a_id_seq', 100), setval('public.b_id_seq', 100)");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    ok(
+        &trellara(
+            d,
+            &[
+                "init",
+                "--source-database-url",
+                &source.connection_string("postgres"),
+                "--target-database-url",
+                &target.connection_string("postgres"),
+                "--table",
+                "public.a",
+                "--table",
+                "public.b",
+                "--flow",
+                "ab",
+                "--evaluate",
+            ],
+        ),
+        "init",
+    );
+    let run = || {
+        ok(
+            &trellara(
+                d,
+                &["run", "--config", "trellara.yml", "--local", "--verify"],
+            ),
+            "run",
+        )
+    };
+    assert!(run().contains("ab CONVERGED"));
+    source.psql("TRUNCATE public.a");
+    source.psql("TRUNCATE public.b RESTART IDENTITY");
+    assert!(run().contains("ab CONVERGED"));
+    assert_eq!(
+        target.psql_value(
+            "SELECT (SELECT count(*) FROM public.a) + (SELECT count(*) FROM public.b) || ' '
+                    || (SELECT last_value FROM public.a_id_seq) || ' ' || (SELECT last_value FROM public.b_id_seq)"
+        ),
+        "0 100 1",
+        "{major}: a keeps its sequence, b's restarts"
+    );
+}
+
+#[test]
 fn a_verdict_moves_only_the_run_it_checked() {
     on_every_major(a_verdict_moves_only_the_run_it_checked_on);
 }

@@ -791,8 +791,14 @@ impl<T: Target> Applier<T> {
             }
             if let Some((offset, commit_lsn, reason, payload)) = broken {
                 let reason = format!("envelope at log offset {offset} is invalid: {reason}");
+                // Nothing at the target fixes it, and every rerun reads the
+                // same bytes: the transaction must come from the source again.
+                let recovery = format!(
+                    "the log's copy of this transaction is damaged and every rerun meets it again: check the flow's log with `trellara log inspect --dir <transport.log_dir> --verify`, then take a new snapshot and stream with `trellara reseed --config {}`",
+                    self.config_path
+                );
                 return Err(self
-                    .quarantine(Lsn(commit_lsn), 0, reason, &payload)
+                    .quarantine_with(Lsn(commit_lsn), 0, reason, &payload, recovery)
                     .await?);
             }
             if batch.is_empty() || end {
@@ -863,12 +869,25 @@ impl<T: Target> Applier<T> {
         reason: String,
         envelope: &[u8],
     ) -> Result<ApplyError, ApplyError> {
-        // The record is written outside any data transaction.
-        self.close_opened().await;
         let recovery = format!(
             "fix the cause named above at the target (or the config), then rerun `trellara run --config {}`: the quarantined transaction is retried first; `trellara verify --config {}` afterwards",
             self.config_path, self.config_path
         );
+        self.quarantine_with(commit_lsn, xid, reason, envelope, recovery)
+            .await
+    }
+
+    /// [`quarantine`](Self::quarantine) with its own recovery.
+    async fn quarantine_with(
+        &mut self,
+        commit_lsn: Lsn,
+        xid: u64,
+        reason: String,
+        envelope: &[u8],
+        recovery: String,
+    ) -> Result<ApplyError, ApplyError> {
+        // The record is written outside any data transaction.
+        self.close_opened().await;
         self.target
             .quarantine(&QuarantineRecord {
                 flow: &self.flow,
@@ -1126,7 +1145,7 @@ impl<T: Target> Applier<T> {
                 }
                 let mut next = reader
                     .next_record()
-                    .map_err(|e| Refusal::Data(e.to_string()))?;
+                    .map_err(|e| Refusal::Undurable(Box::new(e)))?;
                 // The rest of the run may still be on its way: with
                 // patience, wait for it with the target transaction open
                 // instead of rolling back and starting over.
@@ -1136,7 +1155,7 @@ impl<T: Target> Applier<T> {
                 {
                     next = reader
                         .next_record()
-                        .map_err(|e| Refusal::Data(e.to_string()))?;
+                        .map_err(|e| Refusal::Undurable(Box::new(e)))?;
                 }
                 let Some(record) = next else {
                     return Ok(ChunkStep::Incomplete);
@@ -1231,6 +1250,15 @@ impl<T: Target> Applier<T> {
             stats.rows += 1;
             if row.operation == Operation::Truncate as i32 {
                 self.flush_inserts(pending).await?;
+                // Truncates go together (foreign keys may link their
+                // tables), but only with the same RESTART IDENTITY: one
+                // statement's would reset the others' sequences.
+                if pending.truncate.first().is_some_and(|(_, r)| {
+                    r.truncate_restart_identity != row.truncate_restart_identity
+                }) {
+                    let rows = std::mem::take(&mut pending.truncate);
+                    self.target.truncate(&rows).await?;
+                }
                 pending.truncate.push((relation, row));
                 continue;
             }
