@@ -108,7 +108,13 @@ pub trait SnapshotIo: RunStore {
     /// Records a new run at `consistent` in state planned and forgets the
     /// previous run's copied tables.
     async fn plan(&mut self, consistent: Lsn) -> Result<(), SnapshotError>;
-    /// Copies `table` at `snapshot`, idempotently: the truncate, the rows
+    /// Empties the flow's tables on the target and returns the order to
+    /// copy them in: a table that others reference by foreign key before
+    /// them. By default the given order, emptied table by table.
+    async fn prepare_copy(&mut self, tables: &[String]) -> Result<Vec<String>, SnapshotError> {
+        Ok(tables.to_vec())
+    }
+    /// Copies `table` at `snapshot`, idempotently: emptying it, the rows
     /// and the progress row commit in one target transaction.
     async fn copy_table(&mut self, table: &str, snapshot: &str) -> Result<u64, SnapshotError>;
     /// Ends the exported snapshot: every table holds its boundary.
@@ -143,6 +149,24 @@ pub fn needs_snapshot(current: Option<SnapshotState>) -> bool {
         current,
         Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
     )
+}
+
+/// `tables` in an order where a table comes after every table it
+/// references (`links`: referencing, referenced); otherwise as given. A
+/// cycle of foreign keys keeps the given order for its tables.
+fn referenced_first(tables: &[String], links: &[(String, String, String)]) -> Vec<String> {
+    let mut order: Vec<String> = Vec::with_capacity(tables.len());
+    let mut left: Vec<&String> = tables.iter().collect();
+    while !left.is_empty() {
+        let ready = left.iter().position(|t| {
+            links.iter().all(|(from, to, _)| {
+                from != *t || to == *t || order.contains(to) || !left.contains(&to)
+            })
+        });
+        // Only a cycle leaves nothing ready: take the first as given.
+        order.push(left.remove(ready.unwrap_or(0)).clone());
+    }
+    order
 }
 
 /// What a table's rows are read from: the table alone (`ONLY`: an
@@ -382,7 +406,7 @@ pub(crate) async fn run_machine<I: SnapshotIo>(
         consistent_lsn: slot.consistent,
         tables: Vec::new(),
     };
-    for table in tables {
+    for table in &io.prepare_copy(tables).await? {
         let started = Instant::now();
         let rows = io.copy_table(table, &slot.snapshot).await?;
         progress(&format!(
@@ -623,6 +647,58 @@ impl SnapshotIo for PgSnapshot<'_> {
         Ok(())
     }
 
+    /// All the flow's tables are emptied in one `TRUNCATE` (foreign keys
+    /// between them allow nothing else); each copy then only deletes what
+    /// a retried copy of its table left.
+    async fn prepare_copy(&mut self, tables: &[String]) -> Result<Vec<String>, SnapshotError> {
+        let target = self.target;
+        // Foreign keys on the target that reach the flow's tables:
+        // (referencing table, referenced table, constraint).
+        let links = target
+            .query(
+                "SELECT rn.nspname || '.' || r.relname, fn.nspname || '.' || f.relname, c.conname
+                 FROM pg_constraint c
+                 JOIN pg_class r ON r.oid = c.conrelid JOIN pg_namespace rn ON rn.oid = r.relnamespace
+                 JOIN pg_class f ON f.oid = c.confrelid JOIN pg_namespace fn ON fn.oid = f.relnamespace
+                 WHERE c.contype = 'f' AND fn.nspname || '.' || f.relname = ANY($1)",
+                &[&tables],
+            )
+            .await
+            .map_err(SnapshotError::Target)?;
+        let links: Vec<(String, String, String)> = links
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect();
+        if let Some((from, to, name)) = links.iter().find(|(from, _, _)| !tables.contains(from)) {
+            return Err(SnapshotError::Table {
+                table: to.clone(),
+                problem: format!(
+                    "is referenced on the target by {from} (foreign key {name}), which the flow does not replicate, so it cannot be emptied for the copy"
+                ),
+                hint: format!(
+                    "add {from} to flows[].tables, or drop the constraint on the target: ALTER TABLE {from} DROP CONSTRAINT {name}"
+                ),
+            });
+        }
+        let order = referenced_first(tables, &links);
+        let quoted: Vec<String> = order
+            .iter()
+            .filter_map(|t| split_table(t).map(|(s, n)| format!("\"{s}\".\"{n}\"")))
+            .collect();
+        target
+            .batch_execute(&format!("TRUNCATE {}", quoted.join(", ")))
+            .await
+            .map_err(|e| SnapshotError::Table {
+                table: order.join(", "),
+                problem: format!(
+                    "cannot be emptied on the target: {}",
+                    e.as_db_error().map_or(e.to_string(), |d| d.message().to_owned())
+                ),
+                hint: "create the tables on the target with the source's columns, and let the role truncate them".into(),
+            })?;
+        Ok(order)
+    }
+
     async fn copy_table(&mut self, table: &str, snapshot: &str) -> Result<u64, SnapshotError> {
         copy_table(table, snapshot, self.source, self.target, &self.flow.name).await
     }
@@ -773,9 +849,9 @@ async fn copy_table(
         .map_err(SnapshotError::Target)?;
     let result = async {
         target
-            .batch_execute(&format!("TRUNCATE {qualified}"))
+            .batch_execute(&format!("DELETE FROM {qualified}"))
             .await
-            .map_err(|e| bad(format!("cannot truncate on the target: {e}"), "create the table on the target with compatible columns"))?;
+            .map_err(|e| bad(format!("cannot be emptied on the target: {e}"), "create the table on the target with compatible columns"))?;
         let out = source
             .copy_out(&format!("COPY (SELECT {list} FROM {rows_of}) TO STDOUT"))
             .await
@@ -821,5 +897,46 @@ async fn copy_table(
             let _ = target.batch_execute("ROLLBACK").await;
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod copy_order_tests {
+    use super::referenced_first;
+
+    fn link(from: &str, to: &str) -> (String, String, String) {
+        (from.into(), to.into(), format!("{from}_fk"))
+    }
+
+    #[test]
+    fn referenced_tables_are_copied_first() {
+        let tables: Vec<String> = [
+            "public.line_items",
+            "public.orders",
+            "public.customers",
+            "public.notes",
+        ]
+        .map(String::from)
+        .to_vec();
+        let links = [
+            link("public.line_items", "public.orders"),
+            link("public.orders", "public.customers"),
+            // Self-references and tables outside the flow do not hold a table back.
+            link("public.notes", "public.notes"),
+            link("public.notes", "public.elsewhere"),
+        ];
+        assert_eq!(
+            referenced_first(&tables, &links),
+            [
+                "public.customers",
+                "public.orders",
+                "public.line_items",
+                "public.notes"
+            ]
+        );
+        // A cycle keeps the given order for its tables.
+        let cycle = [link("public.a", "public.b"), link("public.b", "public.a")];
+        let ab: Vec<String> = ["public.a", "public.b"].map(String::from).to_vec();
+        assert_eq!(referenced_first(&ab, &cycle), ab);
     }
 }

@@ -1125,6 +1125,82 @@ fn truncates_apply_with_their_own_restart_identity_on(major: Major) {
 }
 
 #[test]
+fn tables_linked_by_foreign_keys_are_copied_referenced_first() {
+    on_every_major(tables_linked_by_foreign_keys_on);
+}
+
+/// The snapshot empties the flow's tables together and copies a table
+/// after the tables it references, whatever the config's order; a table
+/// outside the flow that references one is named with the fix.
+fn tables_linked_by_foreign_keys_on(major: Major) {
+    const SHOP: &str = "
+        CREATE TABLE public.customers (id int PRIMARY KEY, name text NOT NULL);
+        CREATE TABLE public.orders (id int PRIMARY KEY, customer_id int NOT NULL REFERENCES public.customers);";
+    let Some(source) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    source.psql(SHOP);
+    target.psql(SHOP);
+    source.psql(
+        "INSERT INTO public.customers SELECT i, 'c' || i FROM generate_series(1, 20) i;
+         INSERT INTO public.orders SELECT i, 1 + i % 20 FROM generate_series(1, 50) i;",
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    ok(
+        &trellara(
+            d,
+            &[
+                "init",
+                "--source-database-url",
+                &source.connection_string("postgres"),
+                "--target-database-url",
+                &target.connection_string("postgres"),
+                "--table",
+                "public.orders",
+                "--table",
+                "public.customers",
+                "--flow",
+                "fk",
+                "--evaluate",
+            ],
+        ),
+        "init",
+    );
+    let out = ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "first run",
+    );
+    assert!(out.contains("fk CONVERGED"), "{major}: {out}");
+    // Copied again over the rows already there.
+    source.psql("INSERT INTO public.customers VALUES (21, 'c21'); INSERT INTO public.orders VALUES (51, 21)");
+    let out = ok(
+        &trellara(d, &["reseed", "--config", "trellara.yml", "--verify"]),
+        "reseed",
+    );
+    assert!(out.contains("fk CONVERGED"), "{major}: {out}");
+    assert_eq!(
+        target.psql_value("SELECT count(*) FROM public.orders"),
+        "51"
+    );
+
+    target.psql("CREATE TABLE public.audit (customer_id int REFERENCES public.customers)");
+    let out = trellara(d, &["reseed", "--config", "trellara.yml"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("referenced on the target by public.audit") && err.contains("DROP CONSTRAINT"),
+        "{major}: {err}"
+    );
+}
+
+#[test]
 fn a_verdict_moves_only_the_run_it_checked() {
     on_every_major(a_verdict_moves_only_the_run_it_checked_on);
 }
