@@ -1314,7 +1314,12 @@ impl<T: Target> Applier<T> {
         let op = match Operation::try_from(row.operation) {
             Ok(Operation::Update) => "update",
             Ok(Operation::Delete) => "delete",
-            _ => return Err(Refusal::Data("unknown operation".into())),
+            _ => {
+                return Err(Refusal::Data(format!(
+                    "change of {}.{} has operation {}, which is neither update nor delete (a newer capture than this applier?)",
+                    relation.namespace, relation.name, row.operation
+                )));
+            }
         };
         match self.target.change_row(relation, row).await? {
             None | Some(1) => Ok(()),

@@ -207,7 +207,7 @@ impl PgTarget {
                     let text: String = r.get(0);
                     text.parse().map(Some).map_err(|_| {
                         Refusal::Data(format!(
-                            "the checkpoint of flow {flow} reads {text:?}, not an LSN"
+                            "the checkpoint of flow {flow} reads {text:?}, not an LSN (trellara.checkpoints was edited by hand)\nhint: reseed the flow (trellara reseed --config ...)"
                         ))
                     })
                 }
@@ -339,7 +339,11 @@ impl PgTarget {
                 // envelope, not copied into a String first.
                 match &v.kind {
                     Some(value::Kind::Text(text)) => copy_escape(text, &mut data),
-                    _ => match text_of(v)? {
+                    _ => match text_in(
+                        &table.qualified,
+                        columns.get(i).map_or("?", String::as_str),
+                        v,
+                    )? {
                         None => data.extend_from_slice(b"\\N"),
                         Some(text) => copy_escape(&text, &mut data),
                     },
@@ -365,8 +369,8 @@ impl PgTarget {
         let copied = open.sink.as_mut().finish().await?;
         if copied != open.rows {
             return Err(Refusal::Data(format!(
-                "COPY into {} wrote {copied} rows, expected {}",
-                open.table, open.rows
+                "COPY into {} wrote {copied} rows, expected {}: a trigger or rule on the target table drops or redirects rows\nhint: disable or drop it on the target (ALTER TABLE {} DISABLE TRIGGER name)",
+                open.table, open.rows, open.table
             )));
         }
         Ok(())
@@ -518,7 +522,7 @@ impl Target for PgTarget {
         for row in rows {
             let mut values = Vec::with_capacity(columns.len());
             for (col, v) in relation.columns.iter().zip(&row.after) {
-                params.push(text_of(v)?);
+                params.push(text_in(&table.qualified, &col.name, v)?);
                 values.push(format!(
                     "${}::text::{}",
                     params.len(),
@@ -578,7 +582,7 @@ impl Target for PgTarget {
                 if matches!(v.kind, Some(value::Kind::UnchangedToast(_))) {
                     continue;
                 }
-                params.push(text_of(v)?);
+                params.push(text_in(&table.qualified, &col.name, v)?);
                 sets.push(format!(
                     "{} = {}",
                     quote_ident(&col.name),
@@ -612,7 +616,7 @@ impl Target for PgTarget {
             {
                 continue;
             }
-            params.push(text_of(v)?);
+            params.push(text_in(&table.qualified, &col.name, v)?);
             let op = if full { "IS NOT DISTINCT FROM" } else { "=" };
             conds.push(format!(
                 "{} {op} {}",
@@ -622,8 +626,8 @@ impl Target for PgTarget {
         }
         if conds.is_empty() {
             return Err(Refusal::Data(format!(
-                "{}.{} has no replica identity columns to find the row by",
-                relation.namespace, relation.name
+                "{}.{} has no replica identity columns to find the row by\nhint: on the source, give the table a primary key or ALTER TABLE {}.{} REPLICA IDENTITY FULL; then reseed",
+                relation.namespace, relation.name, relation.namespace, relation.name
             )));
         }
         // FULL identity may match duplicates: touch exactly one.
@@ -696,6 +700,14 @@ fn copy_escape(text: &str, out: &mut bytes::BytesMut) {
 }
 
 /// A column value as text for `$n::text::type`; NULL as None.
+/// [`text_of`] naming the table and column a refused value was for.
+fn text_in(table: &str, column: &str, v: &envelope::Value) -> Result<Option<String>, Refusal> {
+    text_of(v).map_err(|e| match e {
+        Refusal::Data(reason) => Refusal::Data(format!("{table}, column {column}: {reason}")),
+        other => other,
+    })
+}
+
 pub(crate) fn text_of(v: &envelope::Value) -> Result<Option<String>, Refusal> {
     Ok(match &v.kind {
         Some(value::Kind::Null(_)) => None,
