@@ -1201,6 +1201,60 @@ fn tables_linked_by_foreign_keys_on(major: Major) {
 }
 
 #[test]
+fn a_publication_the_operator_named_must_cover_the_flow() {
+    on_every_major(a_publication_the_operator_named_on);
+}
+
+/// `source.publication` names the operator's own publication: one that
+/// leaves a table or a kind of change out is refused with the ALTER that
+/// fixes it, never altered behind the operator's back.
+fn a_publication_the_operator_named_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    p.source.psql(
+        "CREATE PUBLICATION shop_pub FOR TABLE public.orders WITH (publish = 'insert, update')",
+    );
+    let config = d.join("trellara.yml");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let (head, tail) = text.split_once("  source:\n").expect("source section");
+    std::fs::write(
+        &config,
+        format!("{head}  source:\n    publication: shop_pub\n{tail}"),
+    )
+    .expect("name the publication");
+    workload(&p.source, 1, 5);
+    let out = trellara(d, &["run", "--config", "trellara.yml", "--local"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("publication shop_pub on the source does not stream all the flow copies")
+            && err.contains("ALTER PUBLICATION shop_pub ADD TABLE \"public\".\"line_items\"")
+            && err.contains("publish = 'insert, update, delete, truncate'"),
+        "{major}: {err}"
+    );
+    assert_eq!(
+        p.source
+            .psql_value("SELECT count(*) FROM pg_publication_tables WHERE pubname = 'shop_pub'"),
+        "1",
+        "left as the operator made it"
+    );
+    p.source.psql(
+        "ALTER PUBLICATION shop_pub ADD TABLE public.line_items;
+         ALTER PUBLICATION shop_pub SET (publish = 'insert, update, delete, truncate')",
+    );
+    let out = ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "run once the publication covers the flow",
+    );
+    assert!(out.contains("shop CONVERGED"), "{major}: {out}");
+}
+
+#[test]
 fn a_verdict_moves_only_the_run_it_checked() {
     on_every_major(a_verdict_moves_only_the_run_it_checked_on);
 }
