@@ -86,8 +86,12 @@ impl FlowError {
                 || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
                 || e.as_db_error().is_some_and(|d| {
                     let code = d.code().code();
-                    // connection exception, operator intervention, resources
-                    ["08", "57", "53"].iter().any(|c| code.starts_with(c))
+                    // Connection exceptions, resources, and the shutdowns of
+                    // operator intervention (not its statement timeout or
+                    // dropped database, which need someone).
+                    code.starts_with("08")
+                        || code.starts_with("53")
+                        || matches!(code, "57P01" | "57P02" | "57P03")
                 })
         }
         match self {
@@ -126,7 +130,8 @@ impl RunReport {
 }
 
 /// Turns true on the first SIGTERM or Ctrl-C from now on, whatever the
-/// process is doing then (connecting, copying, waiting to retry).
+/// process is doing then: a snapshot copy or a wait to retry stops at once,
+/// a connection attempt at its timeout, streaming after its last commit.
 pub fn shutdown_signal() -> tokio::sync::watch::Receiver<bool> {
     let (tx, rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -420,7 +425,21 @@ pub async fn run_watched<W: Watch>(
                 r.state.as_str()
             ))
         ));
-        report.snapshot = Some(snapshot::run(flow, &source_url, &source, &target, progress).await?);
+        // A long copy stops at a signal too; the next run plans it again
+        // (an interrupted snapshot never resumes at its boundary).
+        let copy = snapshot::run(flow, &source_url, &source, &target, progress);
+        let copied = match shutdown.clone().filter(|_| follow) {
+            Some(mut stop) => tokio::select! {
+                copied = copy => Some(copied?),
+                _ = stop.wait_for(|stop| *stop) => None,
+            },
+            None => Some(copy.await?),
+        };
+        let Some(copied) = copied else {
+            progress("snapshot: stopped by a signal; the next run plans it again");
+            return Ok(report);
+        };
+        report.snapshot = Some(copied);
     } else {
         let copied: Vec<String> = target
             .query(

@@ -477,13 +477,14 @@ impl PgSnapshot<'_> {
                 .map_err(SnapshotError::Source)?;
             // A member by name (a partitioned one is listed by its leaves
             // without publish_via_partition_root), or by schema / ALL TABLES.
+            // A row filter or a column list drops what the copy has.
             let row = source
                 .query_one(
-                    "WITH rel AS (SELECT pr.prqual FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+                    "WITH rel AS (SELECT pr.prqual, pr.prattrs FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
                                   WHERE p.pubname = $1 AND pr.prrelid = to_regclass($3))
                      SELECT EXISTS (SELECT 1 FROM rel)
                             OR EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname || '.' || tablename = $2),
-                            EXISTS (SELECT 1 FROM rel WHERE prqual IS NOT NULL)",
+                            EXISTS (SELECT 1 FROM rel WHERE prqual IS NOT NULL OR prattrs IS NOT NULL)",
                     &[&publication, table, &quoted],
                 )
                 .await
@@ -499,11 +500,11 @@ impl PgSnapshot<'_> {
             return Err(SnapshotError::Publication {
                 name: publication.to_owned(),
                 problem: format!(
-                    "filters the rows of {}: the stream would lack rows the snapshot copies",
+                    "filters the rows or columns of {}: the stream would lack what the snapshot copies",
                     filtered.join(", ")
                 ),
                 fix: format!(
-                    "drop the row filter (ALTER PUBLICATION {publication} SET TABLE ... without WHERE), or name another publication in source.publication"
+                    "drop the row filter and column list (ALTER PUBLICATION {publication} SET TABLE ... without WHERE or a column list), or name another publication in source.publication"
                 ),
             });
         }
@@ -595,7 +596,26 @@ impl SnapshotIo for PgSnapshot<'_> {
         options.replication = true;
         let mut repl = Connection::connect(&options).await?;
         // Left by an interrupted run: its snapshot is gone with its session.
-        let dropped = repl.slot_info(&name).await?.is_some();
+        // Slot names are the server's, not the database's: one on another
+        // database is another flow's, and is not ours to drop.
+        let existing = repl.slot_info(&name).await?;
+        if let Some(info) = &existing
+            && info
+                .database
+                .as_deref()
+                .is_some_and(|db| db != options.dbname)
+        {
+            return Err(SnapshotError::Table {
+                table: "-".into(),
+                problem: format!(
+                    "replication slot {name} on the source belongs to database {}, not {}: another flow's",
+                    info.database.as_deref().unwrap_or("?"),
+                    options.dbname
+                ),
+                hint: "give this flow its own slot (source.slot in trellara.yml)".into(),
+            });
+        }
+        let dropped = existing.is_some();
         if dropped {
             repl.drop_slot(&name).await?;
         }
@@ -660,7 +680,7 @@ impl SnapshotIo for PgSnapshot<'_> {
                  FROM pg_constraint c
                  JOIN pg_class r ON r.oid = c.conrelid JOIN pg_namespace rn ON rn.oid = r.relnamespace
                  JOIN pg_class f ON f.oid = c.confrelid JOIN pg_namespace fn ON fn.oid = f.relnamespace
-                 WHERE c.contype = 'f' AND fn.nspname || '.' || f.relname = ANY($1)",
+                 WHERE c.contype = 'f' AND c.conparentid = 0 AND fn.nspname || '.' || f.relname = ANY($1)",
                 &[&tables],
             )
             .await

@@ -1111,8 +1111,8 @@ fn truncates_apply_with_their_own_restart_identity_on(major: Major) {
         )
     };
     assert!(run().contains("ab CONVERGED"));
-    source.psql("TRUNCATE public.a");
-    source.psql("TRUNCATE public.b RESTART IDENTITY");
+    // One source transaction: its two TRUNCATE messages meet in one batch.
+    source.psql("BEGIN; TRUNCATE public.a; TRUNCATE public.b RESTART IDENTITY; COMMIT");
     assert!(run().contains("ab CONVERGED"));
     assert_eq!(
         target.psql_value(
@@ -1252,6 +1252,71 @@ fn a_publication_the_operator_named_on(major: Major) {
         "run once the publication covers the flow",
     );
     assert!(out.contains("shop CONVERGED"), "{major}: {out}");
+}
+
+#[test]
+fn a_commit_refused_by_a_deferred_constraint_is_quarantined_cleanly() {
+    on_every_major(a_commit_refused_by_a_deferred_constraint_on);
+}
+
+/// The target refuses a transaction only at its COMMIT (a deferred foreign
+/// key the source lacks), while the next transaction's BEGIN and lock went
+/// out behind it: the quarantine record still lands outside any
+/// transaction, and after the repair the replay applies it once.
+fn a_commit_refused_by_a_deferred_constraint_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 3);
+    let run = || {
+        trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        )
+    };
+    let out = run();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("shop CONVERGED"));
+    p.target.psql(
+        "ALTER TABLE public.line_items ADD CONSTRAINT lines_need_orders FOREIGN KEY (order_id)
+         REFERENCES public.orders DEFERRABLE INITIALLY DEFERRED",
+    );
+    // A line item whose order the source never had.
+    p.source
+        .psql("INSERT INTO public.line_items VALUES (999, 1, 1, 1.00, 'orphan')");
+    workload(&p.source, 10, 2);
+    let out = run();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("quarantined") && err.contains("lines_need_orders"),
+        "{major}: {err}"
+    );
+    assert_eq!(
+        p.target.psql_value(
+            "SELECT count(*) FROM trellara.quarantine WHERE flow = 'shop' AND resolved_at IS NULL"
+        ),
+        "1",
+        "the record committed although the failed COMMIT had the next BEGIN behind it"
+    );
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM public.line_items WHERE order_id = 999"),
+        "0"
+    );
+    p.target
+        .psql("ALTER TABLE public.line_items DROP CONSTRAINT lines_need_orders");
+    let out = run();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("shop CONVERGED"),
+        "{major}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM public.line_items WHERE order_id = 999"),
+        "1"
+    );
 }
 
 #[test]

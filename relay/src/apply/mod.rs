@@ -990,9 +990,9 @@ impl<T: Target> Applier<T> {
             Ok(Some((checkpoint, settle))) => {
                 // A durable commit persists the cursor: the next one need
                 // not be durable unless the cursor is due again by then.
-                let next = self
-                    .open_after_commit
-                    .then(|| !self.began_durable && self.cursor.due());
+                let next = self.open_after_commit.then(|| {
+                    self.cursor.every.is_zero() || (!self.began_durable && self.cursor.due())
+                });
                 let committed = match next {
                     None => self
                         .target
