@@ -72,6 +72,23 @@ pub async fn ensure(client: &Client) -> Result<(), tokio_postgres::Error> {
     client.batch_execute(SCHEMA).await
 }
 
+/// Whether the target holds the state tables as [`ensure`] makes them:
+/// commands that only read (status, repair plan) create nothing.
+pub async fn present(client: &Client) -> Result<bool, tokio_postgres::Error> {
+    Ok(client
+        .query_one(
+            "SELECT to_regclass('trellara.checkpoints') IS NOT NULL
+                AND to_regclass('trellara.quarantine') IS NOT NULL
+                AND to_regclass('trellara.snapshot_runs') IS NOT NULL
+                AND to_regclass('trellara.verify_runs') IS NOT NULL
+                AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('trellara.snapshot_tables')
+                            AND attname = 'fingerprint' AND NOT attisdropped)",
+            &[],
+        )
+        .await?
+        .get(0))
+}
+
 /// The snapshot state machine's states, in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SnapshotState {

@@ -163,6 +163,26 @@ fn public_loop(major: Major) {
         "0",
         "preflight creates nothing"
     );
+    // Before the first run the reporting commands only read, and say so.
+    let status = ok(
+        &trellara(d, &["status", "--config", "trellara.yml"]),
+        "status before the first run",
+    );
+    assert!(status.contains("never ran against this target"), "{status}");
+    let plan = ok(
+        &trellara(d, &["repair", "plan", "--config", "trellara.yml"]),
+        "repair plan before the first run",
+    );
+    assert!(
+        plan.contains("has not run against this target yet"),
+        "{plan}"
+    );
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM pg_namespace WHERE nspname = 'trellara'"),
+        "0",
+        "status and repair plan create nothing"
+    );
     let first = ok(
         &trellara(
             d,

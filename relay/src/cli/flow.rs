@@ -525,7 +525,16 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         let value = rt.block_on(async {
             let (_, target_url) = flow::urls(f, index)?;
             let target = flow::connect(&target_url, "target").await?;
-            crate::state::ensure(&target).await?;
+            if !crate::state::present(&target).await? {
+                return anyhow::Ok(json!({
+                    "flow": f.name,
+                    "checkpoint": null,
+                    "snapshot": null,
+                    "quarantined": [],
+                    "last_verify": null,
+                    "never_ran": true,
+                }));
+            }
             let q = |sql: &'static str| {
                 let target = &target;
                 let name = f.name.clone();
@@ -568,6 +577,13 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         Format::Text => {
             for v in &out {
                 println!("flow {}", v["flow"].as_str().unwrap_or(""));
+                if v["never_ran"] == true {
+                    println!(
+                        "  never ran against this target (no trellara state tables): trellara run --config {} --local",
+                        args.config.display()
+                    );
+                    continue;
+                }
                 println!(
                     "  snapshot    {}",
                     v["snapshot"]["state"].as_str().unwrap_or("none")
@@ -848,7 +864,11 @@ pub fn repair_plan(args: StatusArgs) -> anyhow::Result<ExitCode> {
         rt.block_on(async {
             let (_, target_url) = flow::urls(f, index)?;
             let target = flow::connect(&target_url, "target").await?;
-            crate::state::ensure(&target).await?;
+            if !crate::state::present(&target).await? {
+                steps.push(json!({"flow": f.name, "blocked": "the flow has not run against this target yet (no trellara state tables)",
+                    "commands": [format!("trellara preflight --config {path}"), format!("trellara run --config {path} --local --verify")]}));
+                return anyhow::Ok(());
+            }
             for q in target.query("SELECT commit_lsn::text, xid, reason, attempts FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn", &[&f.name]).await? {
                 steps.push(json!({"flow": f.name, "blocked": format!("transaction {} at {} is quarantined ({} attempts): {}", q.get::<_, i64>(1), q.get::<_, String>(0), q.get::<_, i32>(3), q.get::<_, String>(2)),
                     "commands": ["fix the cause named above at the target", format!("trellara run --config {path} --local"), format!("trellara verify --config {path}")]}));
