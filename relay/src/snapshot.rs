@@ -100,7 +100,8 @@ pub struct Slot {
 /// What the machine does at the source and the target.
 #[allow(async_fn_in_trait)]
 pub trait SnapshotIo: RunStore {
-    /// Creates the flow's publication if missing; its name when it did.
+    /// Creates the flow's publication if missing, or brings it up to the
+    /// flow; what it did, when it did something.
     async fn ensure_publication(&mut self) -> Result<Option<String>, SnapshotError>;
     /// Creates the flow's slot exporting a snapshot; true when it first
     /// dropped one left by an interrupted run (its snapshot died with it).
@@ -116,7 +117,13 @@ pub trait SnapshotIo: RunStore {
     }
     /// Copies `table` at `snapshot`, idempotently: emptying it, the rows
     /// and the progress row commit in one target transaction.
-    async fn copy_table(&mut self, table: &str, snapshot: &str) -> Result<u64, SnapshotError>;
+    /// `progress` hears how far a long copy is, every few seconds.
+    async fn copy_table(
+        &mut self,
+        table: &str,
+        snapshot: &str,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<u64, SnapshotError>;
     /// Ends the exported snapshot: every table holds its boundary.
     async fn release_snapshot(&mut self);
     /// Records the handoff: the flow's checkpoint at `checkpoint` (see
@@ -149,6 +156,14 @@ pub fn needs_snapshot(current: Option<SnapshotState>) -> bool {
         current,
         Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
     )
+}
+
+/// How often a long table copy reports how far it is.
+const COPY_PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Newlines in `bytes`: the rows of a piece of COPY text.
+fn memchr_count(bytes: &[u8]) -> u64 {
+    bytes.iter().filter(|&&b| b == b'\n').count() as u64
 }
 
 /// `tables` in an order where a table comes after every table it
@@ -384,10 +399,8 @@ pub(crate) async fn run_machine<I: SnapshotIo>(
     hooks: &dyn CrashHooks,
 ) -> Result<SnapshotReport, SnapshotError> {
     // Publication first: the slot's stream is filtered by it.
-    if let Some(publication) = io.ensure_publication().await? {
-        progress(&format!(
-            "publication {publication}: created, or brought up to the flow's tables"
-        ));
+    if let Some(done) = io.ensure_publication().await? {
+        progress(&done);
     }
     let (slot, dropped) = io.create_slot().await?;
     if dropped {
@@ -408,7 +421,7 @@ pub(crate) async fn run_machine<I: SnapshotIo>(
     };
     for table in &io.prepare_copy(tables).await? {
         let started = Instant::now();
-        let rows = io.copy_table(table, &slot.snapshot).await?;
+        let rows = io.copy_table(table, &slot.snapshot, progress).await?;
         progress(&format!(
             "copied {table}: {rows} rows in {:.1}s",
             started.elapsed().as_secs_f64()
@@ -534,7 +547,10 @@ impl PgSnapshot<'_> {
             .batch_execute(&fixes.join("; "))
             .await
             .map_err(SnapshotError::Source)?;
-        Ok(Some(publication.to_owned()))
+        Ok(Some(format!(
+            "publication {publication}: {}",
+            fixes.join("; ")
+        )))
     }
 }
 
@@ -587,7 +603,7 @@ impl SnapshotIo for PgSnapshot<'_> {
             ))
             .await
             .map_err(SnapshotError::Source)?;
-        Ok(Some(publication))
+        Ok(Some(format!("created publication {publication}")))
     }
 
     async fn create_slot(&mut self) -> Result<(Slot, bool), SnapshotError> {
@@ -719,8 +735,21 @@ impl SnapshotIo for PgSnapshot<'_> {
         Ok(order)
     }
 
-    async fn copy_table(&mut self, table: &str, snapshot: &str) -> Result<u64, SnapshotError> {
-        copy_table(table, snapshot, self.source, self.target, &self.flow.name).await
+    async fn copy_table(
+        &mut self,
+        table: &str,
+        snapshot: &str,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<u64, SnapshotError> {
+        copy_table(
+            table,
+            snapshot,
+            self.source,
+            self.target,
+            &self.flow.name,
+            progress,
+        )
+        .await
     }
 
     async fn release_snapshot(&mut self) {
@@ -826,6 +855,7 @@ async fn copy_table(
     source: &Client,
     target: &Client,
     flow: &str,
+    progress: &mut dyn FnMut(&str),
 ) -> Result<u64, SnapshotError> {
     let bad = |problem: String, hint: &str| SnapshotError::Table {
         table: table.to_owned(),
@@ -882,9 +912,25 @@ async fn copy_table(
             .map_err(|e| bad(format!("cannot COPY into the target: {e}"), "make the target's columns match the source"))?;
         futures_util::pin_mut!(out);
         futures_util::pin_mut!(sink);
+        // COPY text ends every row with a newline (one inside a value is
+        // escaped), so counting them counts rows.
+        let started = Instant::now();
+        let mut told = started;
+        let (mut rows, mut bytes) = (0u64, 0u64);
         while let Some(chunk) = out.next().await {
             let chunk = chunk.map_err(SnapshotError::Source)?;
+            rows += memchr_count(&chunk);
+            bytes += chunk.len() as u64;
             sink.send(chunk).await.map_err(SnapshotError::Target)?;
+            if told.elapsed() >= COPY_PROGRESS_EVERY {
+                told = Instant::now();
+                let secs = started.elapsed().as_secs_f64();
+                progress(&format!(
+                    "copying {table}: {rows} rows ({:.1} MiB) in {secs:.0}s, {:.0} rows/s",
+                    bytes as f64 / (1 << 20) as f64,
+                    rows as f64 / secs
+                ));
+            }
         }
         let rows = sink.finish().await.map_err(SnapshotError::Target)?;
         // The schema the copy saw, as the stream will describe it: capture

@@ -346,7 +346,7 @@ impl SnapshotIo for Io<'_> {
             return Ok(None);
         }
         self.source.publication = true;
-        Ok(Some("trellara_sim".into()))
+        Ok(Some("created publication trellara_sim".into()))
     }
 
     async fn create_slot(&mut self) -> Result<(Slot, bool), SnapshotError> {
@@ -379,7 +379,12 @@ impl SnapshotIo for Io<'_> {
         Ok(())
     }
 
-    async fn copy_table(&mut self, table: &str, snapshot: &str) -> Result<u64, SnapshotError> {
+    async fn copy_table(
+        &mut self,
+        table: &str,
+        snapshot: &str,
+        _progress: &mut dyn FnMut(&str),
+    ) -> Result<u64, SnapshotError> {
         // The source keeps committing while the run copies: those
         // transactions lie past the boundary, in the stream.
         for _ in 0..self.source.rng.below(3) {
