@@ -49,6 +49,8 @@ const BATCH_RECORDS: usize = 1_000;
 const BATCH_BYTES: usize = 8 << 20;
 /// The largest record the producer and the topic accept (64 MiB).
 const MAX_RECORD_BYTES: &str = "67108864";
+/// [`MAX_RECORD_BYTES`] less room for the record's key and framing.
+const RECORD_LIMIT: usize = (64 << 20) - (64 << 10);
 /// Bytes one feed read holds at most (besides one record past it).
 const READ_BYTES: usize = 32 << 20;
 /// How long nothing may arrive before a read returns what it has.
@@ -68,6 +70,23 @@ pub enum TransportError {
     },
     #[error(transparent)]
     Log(#[from] crate::log::Error),
+    #[error(
+        "topic {topic}: the record of commit {commit_lsn} is {bytes} bytes, over the {limit}-byte record limit\nhint: use the local transport for this flow, or lower the value sizes; the record stays in the log"
+    )]
+    TooLarge {
+        topic: String,
+        commit_lsn: trellara_common::Lsn,
+        bytes: usize,
+        limit: usize,
+    },
+    #[error(
+        "topic {topic}, offset {offset}: the record's key is {found}, not the 8-byte commit LSN Trellara writes (another producer writes to this topic?)\nhint: give the flow a topic of its own (transport.topic), then reseed"
+    )]
+    BadKey {
+        topic: String,
+        offset: i64,
+        found: String,
+    },
     #[error(
         "topic {topic} has {partitions} partitions; strict order needs exactly 1\nhint: create it with one partition, or name another topic"
     )]
@@ -203,6 +222,10 @@ impl KafkaProducer {
         let producer = target
             .client()
             .set("enable.idempotence", "true")
+            // A failed record must stop the producer, not let the records
+            // queued behind it land first: a gap the applier would skip
+            // for good once it arrived late (its checkpoint already past).
+            .set("enable.gapless.guarantee", "true")
             .set("acks", "all")
             // Envelopes run to the capture's chunk size (4 MiB) and more.
             .set("message.max.bytes", MAX_RECORD_BYTES)
@@ -218,6 +241,14 @@ impl Producer for KafkaProducer {
     async fn send_batch(&self, records: &[(u64, Vec<u8>)]) -> Result<(), TransportError> {
         let mut pending = Vec::with_capacity(records.len());
         for (commit_lsn, payload) in records {
+            if payload.len() > RECORD_LIMIT {
+                return Err(TransportError::TooLarge {
+                    topic: self.target.topic.clone(),
+                    commit_lsn: trellara_common::Lsn(*commit_lsn),
+                    bytes: payload.len(),
+                    limit: RECORD_LIMIT,
+                });
+            }
             let key = commit_lsn.to_be_bytes();
             let sent = FutureRecord::to(&self.target.topic)
                 .partition(PARTITION)
@@ -455,10 +486,22 @@ impl Feed {
             match polled {
                 Ok(message) => {
                     last = std::time::Instant::now();
-                    let key: [u8; 8] = message
-                        .key()
-                        .and_then(|k| k.try_into().ok())
-                        .unwrap_or_default();
+                    // A record not of ours would be taken for commit 0, a
+                    // duplicate: refused instead.
+                    let key: [u8; 8] = match message.key() {
+                        Some(k) => k.try_into().map_err(|_| TransportError::BadKey {
+                            topic: self.target.topic.clone(),
+                            offset: message.offset(),
+                            found: format!("{} bytes", k.len()),
+                        })?,
+                        None => {
+                            return Err(TransportError::BadKey {
+                                topic: self.target.topic.clone(),
+                                offset: message.offset(),
+                                found: "missing".into(),
+                            });
+                        }
+                    };
                     bytes += message.payload().map_or(0, <[u8]>::len);
                     out.push(TopicRecord {
                         offset: message.offset(),

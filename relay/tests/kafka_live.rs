@@ -284,3 +284,71 @@ fn records_larger_than_a_megabyte_go_through() {
     assert_eq!(read.len(), 1);
     assert_eq!(read[0].payload, bytes);
 }
+
+#[test]
+fn a_record_over_the_limit_is_refused_and_the_cursor_stays() {
+    let Some(broker) = Broker::start() else {
+        return;
+    };
+    let rt = runtime();
+    let topic = KafkaTarget {
+        brokers: broker.bootstrap(),
+        topic: "trellara-huge".into(),
+    };
+    rt.block_on(topic.ensure_topic()).expect("topic");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("log");
+    let mut env = sample::insert_transaction(1, 65 << 20);
+    env.begin_lsn = 0x6000_0000 - 0x10;
+    env.commit_lsn = 0x6000_0000;
+    env.end_lsn = 0x6000_0010;
+    log.append(0x6000_0000, &envelope::encode(&env).expect("valid"))
+        .expect("append");
+    let publisher = Publisher::new(topic, "huge").expect("publisher");
+    let err = rt
+        .block_on(publisher.publish(&log))
+        .expect_err("over the limit");
+    assert!(
+        matches!(err, TransportError::TooLarge { .. }) && err.to_string().contains("0/60000000"),
+        "{err}"
+    );
+    assert_eq!(
+        log.cursor(&publisher_cursor("huge")).map_or(0, |c| c.next_offset),
+        0,
+        "the cursor did not move past the record"
+    );
+}
+
+#[test]
+fn a_record_without_trellaras_key_is_refused_not_skipped() {
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer as _};
+    let Some(broker) = Broker::start() else {
+        return;
+    };
+    let topic = KafkaTarget {
+        brokers: broker.bootstrap(),
+        topic: "trellara-shared".into(),
+    };
+    runtime().block_on(topic.ensure_topic()).expect("topic");
+    // Another producer writes to the flow's topic.
+    let other: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", broker.bootstrap())
+        .create()
+        .expect("producer");
+    other
+        .send(BaseRecord::<(), [u8]>::to("trellara-shared").payload(&b"not an envelope"[..]))
+        .map_err(|(e, _)| e)
+        .expect("send");
+    other
+        .flush(std::time::Duration::from_secs(10))
+        .expect("flush");
+    let err = Feed::new(topic, "g")
+        .expect("feed")
+        .read(10)
+        .expect_err("a record without the commit LSN key");
+    assert!(
+        matches!(err, TransportError::BadKey { offset: 0, .. })
+            && err.to_string().contains("missing"),
+        "{err}"
+    );
+}
