@@ -580,7 +580,13 @@ pub async fn run_watched<W: Watch>(
                 .await
                 .map_err(FlowError::from),
             CapturePath::Native => {
-                native_capture(flow, &source, &log, &log_dir, tx, Arc::clone(&begun), stop).await
+                let native = NativeRun {
+                    log_dir: &log_dir,
+                    progress: tx,
+                    begun: Arc::clone(&begun),
+                    floor,
+                };
+                native_capture(flow, &source, &log, native, stop).await
             }
         };
         let _ = done_tx.send(true);
@@ -754,15 +760,28 @@ pub async fn run_watched<W: Watch>(
 /// worker up through SQL (extension, settings, start) and stops it at the
 /// end, so the slot is free again. This process must run as the source
 /// server's OS user (the socket admits only that uid).
+/// What the native capture of one run needs besides the flow and log.
+struct NativeRun<'a> {
+    log_dir: &'a std::path::Path,
+    progress: Arc<tokio::sync::watch::Sender<Lsn>>,
+    begun: Arc<tokio::sync::Notify>,
+    /// The target checkpoint's end LSN ([`crate::native::NativeConfig::floor`]).
+    floor: Lsn,
+}
+
 async fn native_capture(
     flow: &Flow,
     source: &Client,
     log: &Log<FsStorage>,
-    log_dir: &std::path::Path,
-    progress: Arc<tokio::sync::watch::Sender<Lsn>>,
-    begun: Arc<tokio::sync::Notify>,
+    run: NativeRun<'_>,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<capture::CaptureStats, FlowError> {
+    let NativeRun {
+        log_dir,
+        progress,
+        begun,
+        floor,
+    } = run;
     let sql_error = |what: &str, e: tokio_postgres::Error| {
         FlowError::Native(format!(
             "capture: native: {what} on the source: {}",
@@ -826,6 +845,7 @@ async fn native_capture(
         max_envelope_bytes: 256 << 20,
         progress: Some(progress),
         begun: Some(begun),
+        floor,
     };
     let serve = crate::native::serve_on(config, log, stop);
     let start = async {

@@ -49,6 +49,11 @@ pub struct NativeConfig {
     /// Told as each frame starts, before it is read whole: the applier
     /// opens its target transaction meanwhile.
     pub begun: Option<Arc<tokio::sync::Notify>>,
+    /// The position a consumer downstream already holds (the applier's
+    /// checkpoint end LSN). The worker takes the larger of it and the log's
+    /// end as what is safe: with an empty or replaced log, a slot confirmed
+    /// past both is a gap, refused, not a fresh start.
+    pub floor: Lsn,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -281,7 +286,7 @@ async fn connection(
     write
         .write_all(
             &RelayMessage::Welcome {
-                durable_end: resume.ack_lsn.0,
+                durable_end: resume.ack_lsn.max(config.floor).0,
             }
             .encode(),
         )

@@ -313,7 +313,8 @@ fn a_record_over_the_limit_is_refused_and_the_cursor_stays() {
         "{err}"
     );
     assert_eq!(
-        log.cursor(&publisher_cursor("huge")).map_or(0, |c| c.next_offset),
+        log.cursor(&publisher_cursor("huge"))
+            .map_or(0, |c| c.next_offset),
         0,
         "the cursor did not move past the record"
     );

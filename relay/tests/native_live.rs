@@ -721,6 +721,38 @@ fn run_with_native_capture_converges() {
         );
         let status = source.psql_value("SELECT state FROM trellara.status()");
         assert_eq!(status, "stopped", "run stops the worker it started");
+
+        // A transaction captured and acknowledged but quarantined: the
+        // slot is past it, the target's checkpoint before it. With the log
+        // lost, the worker must refuse the gap, not start afresh.
+        target.psql("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (qty < 10000)");
+        source.psql("INSERT INTO public.orders VALUES (9001, 'big', 20000)");
+        let run = || {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_trellara"));
+            std::os::unix::process::CommandExt::uid(&mut cmd, owner.uid.as_raw());
+            std::os::unix::process::CommandExt::gid(&mut cmd, owner.gid.as_raw());
+            cmd.current_dir(dir.path())
+                .env("HOME", dir.path())
+                .args(["run", "--config", "trellara.yml", "--local"])
+                .output()
+                .expect("run trellara")
+        };
+        let quarantined = run();
+        assert_eq!(quarantined.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&quarantined.stderr).contains("quarantined"));
+        target.psql("ALTER TABLE public.orders DROP CONSTRAINT small");
+        std::fs::remove_dir_all(dir.path().join(".trellara/log")).expect("lose the log");
+        let gap = run();
+        let err = String::from_utf8_lossy(&gap.stderr);
+        assert_eq!(gap.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("past the end of the relay's log"),
+            "{major}: {err}"
+        );
+        assert_eq!(
+            target.psql_value("SELECT count(*) FROM public.orders WHERE id = 9001"),
+            "0"
+        );
     });
 }
 

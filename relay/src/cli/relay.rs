@@ -103,6 +103,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             max_envelope_bytes: 256 << 20,
             progress: None,
             begun: None,
+            floor: trellara_common::Lsn::ZERO,
         };
         return serve_native(&runtime, config);
     }
@@ -116,6 +117,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             max_envelope_bytes: 256 << 20,
             progress: None,
             begun: None,
+            floor: trellara_common::Lsn::ZERO,
         };
         return serve_native(&runtime, config);
     }
