@@ -211,6 +211,10 @@ impl Queue {
     /// end offset in `out` to `ends` (one lock for the lot, so the sender
     /// can hand them to the socket in one write). Returns how many.
     pub fn copy_all(&self, out: &mut Vec<u8>, ends: &mut Vec<usize>) -> usize {
+        // Room for a full ring first: nothing under the lock may allocate
+        // (an allocation failure there would abort the whole server).
+        out.reserve(SLOTS * MAX_FRAME_BYTES);
+        ends.reserve(SLOTS);
         self.with(pg_sys::LWLockMode::LW_SHARED, |s| {
             for i in 0..s.len {
                 let at = ((s.head + i) as usize) % SLOTS;
@@ -315,19 +319,28 @@ impl Queue {
     }
 
     pub fn status(&self) -> Status {
-        self.with(pg_sys::LWLockMode::LW_SHARED, |s| Status {
-            state: WorkerState::from_u32(s.state),
-            reason: String::from_utf8_lossy(
-                s.reason.get(..s.reason_len as usize).unwrap_or_default(),
+        // Copied as plain bytes under the lock, made text after it: nothing
+        // under the lock allocates.
+        let mut reason = [0u8; REASON_BYTES];
+        let (mut status, reason_len) = self.with(pg_sys::LWLockMode::LW_SHARED, |s| {
+            reason = s.reason;
+            (
+                Status {
+                    state: WorkerState::from_u32(s.state),
+                    reason: String::new(),
+                    pid: s.pid,
+                    occupancy: s.len,
+                    capacity: s.capacity,
+                    acked_lsn: s.acked_lsn,
+                    frames_sent: s.frames_sent,
+                    transactions_acked: s.transactions_acked,
+                    stop_requested: s.stop_requested,
+                },
+                s.reason_len as usize,
             )
-            .into_owned(),
-            pid: s.pid,
-            occupancy: s.len,
-            capacity: s.capacity,
-            acked_lsn: s.acked_lsn,
-            frames_sent: s.frames_sent,
-            transactions_acked: s.transactions_acked,
-            stop_requested: s.stop_requested,
-        })
+        });
+        status.reason =
+            String::from_utf8_lossy(reason.get(..reason_len).unwrap_or_default()).into_owned();
+        status
     }
 }

@@ -429,6 +429,32 @@ enum Connect {
     Refuse(String),
 }
 
+/// The uid of the process at the other end of a connected Unix socket.
+fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: the descriptor is a connected Unix socket owned by `stream`;
+    // `cred` and `len` are valid for writes of the size passed.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
 /// Connects, checks who owns the socket, says hello, reads the welcome.
 fn connect(config: &Config) -> Result<(UnixStream, u64), Connect> {
     let path = &config.socket_path;
@@ -456,6 +482,15 @@ fn connect(config: &Config) -> Result<(UnixStream, u64), Connect> {
     let mut stream = UnixStream::connect(path)
         .map_err(|e| Connect::Retry(format!("connect to relay socket {path}: {e}")))?;
     let io = |e: std::io::Error| Connect::Retry(format!("relay socket {path}: {e}"));
+    // The file checked above may have been swapped before the connect:
+    // what counts is who answered. Only the server's own OS user may see
+    // the rows and move the slot.
+    let peer = peer_uid(&stream).map_err(io)?;
+    if peer != server_uid {
+        return Err(Connect::Refuse(format!(
+            "relay socket {path} was answered by uid {peer}, not the server's uid {server_uid}; the relay must run as the server's OS user"
+        )));
+    }
     stream
         .set_read_timeout(Some(config.relay_timeout))
         .map_err(io)?;
@@ -640,6 +675,17 @@ impl Session {
                     self.received.drain(..used);
                     match message {
                         RelayMessage::Ack { end_lsn } => {
+                            // Nothing past what this worker decoded can be
+                            // durable in the relay's log: such an Ack would
+                            // move the slot over WAL never captured.
+                            if end_lsn > self.decoded_to.max(self.progress_sent) {
+                                return Err(format!(
+                                    "relay socket {}: the relay acknowledged {}, past what this worker decoded ({}); refusing to move the slot",
+                                    self.socket_path,
+                                    lsn_text(end_lsn),
+                                    lsn_text(self.decoded_to)
+                                ));
+                            }
                             acks += 1;
                             self.acked = self.acked.max(end_lsn);
                         }

@@ -589,6 +589,54 @@ fn relay_refuses_unsafe_socket_paths() {
     assert!(stderr.contains("is not a socket"), "{stderr}");
 }
 
+/// A socket file that passes the worker's checks (the server's uid, 0600)
+/// but is answered by another user: the worker asks the peer who it is and
+/// sends nothing.
+#[test]
+fn worker_refuses_a_socket_answered_by_another_user() {
+    on_every_major(|major| {
+        let Some(n) = Native::start(major) else {
+            return;
+        };
+        let owner = nix::unistd::User::from_name(OS_USER)
+            .expect("getpwnam")
+            .expect("OS user");
+        let path = n.dir.path().join("relay.sock");
+        // This test runs as root: the listener is not the server's user.
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        nix::unistd::chown(&path, Some(owner.uid), Some(owner.gid)).expect("chown");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut held = Vec::new();
+        loop {
+            if let Ok((conn, _)) = listener.accept() {
+                held.push(conn);
+            }
+            let (_, reason, _, _) = n.status();
+            if reason.contains("was answered by uid 0") {
+                assert!(reason.contains("not the server's uid"), "{reason}");
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{major}: worker never refused the socket: {:?}",
+                n.status()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut got = [0u8; 64];
+        for conn in &mut held {
+            conn.set_nonblocking(true).expect("nonblocking");
+            let read = std::io::Read::read(conn, &mut got);
+            assert!(
+                !matches!(read, Ok(n) if n > 0),
+                "the worker sent its hello to a stranger"
+            );
+        }
+    });
+}
+
 /// `ALTER EXTENSION trellara UPDATE` from 0.1.0 yields the same functions
 /// (names, arguments, results, bodies) as a fresh install.
 #[test]
