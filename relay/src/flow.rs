@@ -398,13 +398,14 @@ pub async fn run_watched<W: Watch>(
         path: log_dir.display().to_string(),
         source,
     })?;
+    let source_failed = |source| FlowError::Connect {
+        side: "source",
+        target: redact(&source_url),
+        source,
+    };
     if let Some(refusal) = snapshot::native_refusal(flow, &source)
         .await
-        .map_err(|source| FlowError::Connect {
-            side: "source",
-            target: redact(&source_url),
-            source,
-        })?
+        .map_err(source_failed)?
     {
         return Err(FlowError::Native(format!("flow {}: {refusal}", flow.name)));
     }
@@ -474,11 +475,7 @@ pub async fn run_watched<W: Watch>(
     let goal: String = source
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
         .await
-        .map_err(|source| FlowError::Connect {
-            side: "source",
-            target: redact(&source_url),
-            source,
-        })?
+        .map_err(source_failed)?
         .get::<_, String>(0);
     let goal: Lsn = goal.parse().map_err(|_| FlowError::BadLsn {
         what: "the source's pg_current_wal_lsn()".into(),

@@ -184,16 +184,35 @@ fn unbuilt_commands_say_so() {
     }
 }
 
+/// `trellara args` in `dir` with `vars` set.
+fn trellara_in(
+    dir: &std::path::Path,
+    args: &[&str],
+    vars: &[(&str, &str)],
+) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(dir)
+        .envs(vars.iter().copied())
+        .args(args)
+        .output()
+        .expect("run trellara")
+}
+
+/// A production `init` of one table: the config holds references only.
+const INIT_SALES: [&str; 7] = [
+    "init",
+    "--source-database-url",
+    "postgresql://u@h/db",
+    "--target-database-url",
+    "postgresql://u@h/t",
+    "--table",
+    "public.sales",
+];
+
 #[test]
 fn config_errors_name_the_file_and_the_fix() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let run = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_trellara"))
-            .current_dir(dir.path())
-            .args(args)
-            .output()
-            .expect("run trellara")
-    };
+    let run = |args: &[&str]| trellara_in(dir.path(), args, &[]);
     let out = run(&["run", "--config", "missing.yml"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("trellara init"));
@@ -212,15 +231,7 @@ fn config_errors_name_the_file_and_the_fix() {
         .filter_map(|i| i["field"].as_str())
         .collect();
     assert_eq!(fields, ["flows[0].source.url", "flows[0].tables[0]"]);
-    let out = run(&[
-        "init",
-        "--source-database-url",
-        "postgresql://u@h/db",
-        "--target-database-url",
-        "postgresql://u@h/t",
-        "--table",
-        "public.sales",
-    ]);
+    let out = run(&INIT_SALES);
     assert!(
         out.status.success(),
         "{}",
@@ -248,24 +259,12 @@ fn config_errors_name_the_file_and_the_fix() {
 #[test]
 fn an_exported_source_url_leaves_config_commands_alone() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let run = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_trellara"))
-            .current_dir(dir.path())
-            .env("TRELLARA_SOURCE_DATABASE_URL", "postgresql://u@h/db")
-            .env("TRELLARA_TARGET_DATABASE_URL", "postgresql://u@h/t")
-            .args(args)
-            .output()
-            .expect("run trellara")
-    };
-    let out = run(&[
-        "init",
-        "--source-database-url",
-        "postgresql://u@h/db",
-        "--target-database-url",
-        "postgresql://u@h/t",
-        "--table",
-        "public.sales",
-    ]);
+    let vars = [
+        ("TRELLARA_SOURCE_DATABASE_URL", "postgresql://u@h/db"),
+        ("TRELLARA_TARGET_DATABASE_URL", "postgresql://u@h/t"),
+    ];
+    let run = |args: &[&str]| trellara_in(dir.path(), args, &vars);
+    let out = run(&INIT_SALES);
     assert!(
         out.status.success(),
         "{}",

@@ -67,6 +67,49 @@ fn ok(out: &Output, what: &str) -> String {
     stdout
 }
 
+/// The stderr of a command that must exit with `code`.
+fn fails(out: &Output, code: i32) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "expected exit {code}:\n{}\n{stderr}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    stderr
+}
+
+/// `trellara init` in `dir` for flow `flow` of `tables`, evaluation mode.
+fn init_flow(dir: &Path, source: &str, target: &str, tables: &[&str], flow: &str, capture: &str) {
+    let mut args = vec![
+        "init",
+        "--source-database-url",
+        source,
+        "--target-database-url",
+        target,
+        "--flow",
+        flow,
+        "--capture",
+        capture,
+        "--evaluate",
+    ];
+    for table in tables {
+        args.extend(["--table", table]);
+    }
+    ok(&trellara(dir, &args), "init");
+}
+
+/// `run --local --verify`, which must succeed; its stdout.
+fn run_verify(dir: &Path, what: &str) -> String {
+    ok(
+        &trellara(
+            dir,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        what,
+    )
+}
+
 /// Runs `scenario` against each supported major, naming it on stderr so a
 /// failure says which one.
 fn on_every_major(scenario: impl Fn(Major)) {
@@ -842,31 +885,15 @@ fn verify_counts_null_keys_and_orders_keys_alike_on(major: Major) {
     );
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    ok(
-        &trellara(
-            d,
-            &[
-                "init",
-                "--source-database-url",
-                &source.connection_string("postgres"),
-                "--target-database-url",
-                &target.connection_string("latin1"),
-                "--table",
-                "public.tags",
-                "--flow",
-                "tags",
-                "--evaluate",
-            ],
-        ),
-        "init",
+    init_flow(
+        d,
+        &source.connection_string("postgres"),
+        &target.connection_string("latin1"),
+        &["public.tags"],
+        "tags",
+        "external",
     );
-    let out = ok(
-        &trellara(
-            d,
-            &["run", "--config", "trellara.yml", "--local", "--verify"],
-        ),
-        "run",
-    );
+    let out = run_verify(d, "run");
     assert!(out.contains("tags CONVERGED"), "{major}: {out}");
     let chunked = [
         "verify",
@@ -902,9 +929,7 @@ fn verify_counts_null_keys_and_orders_keys_alike_on(major: Major) {
     latin1
         .batch_execute("ALTER TABLE public.tags DROP COLUMN label")
         .expect("drop column");
-    let out = trellara(d, &["verify", "--config", "trellara.yml"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "could not verify: {err}");
+    let err = fails(&trellara(d, &["verify", "--config", "trellara.yml"]), 2);
     assert!(
         err.contains("compare public.tags on the target") && err.contains("trellara preflight"),
         "{err}"
@@ -939,40 +964,17 @@ fn a_partitioned_table_replicates_and_verifies_through_its_root_on(major: Major)
         ));
     };
     insert(1, 100);
+    let (s_url, t_url) = (
+        source.connection_string("postgres"),
+        target.connection_string("postgres"),
+    );
     let init = |dir: &Path, capture: &str| {
-        ok(
-            &trellara(
-                dir,
-                &[
-                    "init",
-                    "--source-database-url",
-                    &source.connection_string("postgres"),
-                    "--target-database-url",
-                    &target.connection_string("postgres"),
-                    "--table",
-                    "public.events",
-                    "--flow",
-                    "events",
-                    "--capture",
-                    capture,
-                    "--evaluate",
-                ],
-            ),
-            "init",
-        )
+        init_flow(dir, &s_url, &t_url, &["public.events"], "events", capture);
     };
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
     init(d, "external");
-    let run = || {
-        ok(
-            &trellara(
-                d,
-                &["run", "--config", "trellara.yml", "--local", "--verify"],
-            ),
-            "run",
-        )
-    };
+    let run = || run_verify(d, "run");
     let out = run();
     assert!(out.contains("events CONVERGED"), "{major}: {out}");
     assert_eq!(
@@ -1000,12 +1002,13 @@ fn a_partitioned_table_replicates_and_verifies_through_its_root_on(major: Major)
 
     let native = tempfile::tempdir().expect("tempdir");
     init(native.path(), "native");
-    let out = trellara(
-        native.path(),
-        &["run", "--config", "trellara.yml", "--local"],
+    let err = fails(
+        &trellara(
+            native.path(),
+            &["run", "--config", "trellara.yml", "--local"],
+        ),
+        1,
     );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains("table public.events is partitioned") && err.contains("capture: external"),
         "{err}"
@@ -1046,9 +1049,7 @@ fn a_table_added_to_the_flow_on(major: Major) {
         ),
     )
     .expect("add a table");
-    let out = run(&["run", "--config", "trellara.yml", "--local"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = fails(&run(&["run", "--config", "trellara.yml", "--local"]), 1);
     assert!(
         err.contains("public.extra joined the flow after its snapshot")
             && err.contains("trellara reseed --config"),
@@ -1104,35 +1105,15 @@ fn truncates_apply_with_their_own_restart_identity_on(major: Major) {
     target.psql("SELECT setval('public.a_id_seq', 100), setval('public.b_id_seq', 100)");
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    ok(
-        &trellara(
-            d,
-            &[
-                "init",
-                "--source-database-url",
-                &source.connection_string("postgres"),
-                "--target-database-url",
-                &target.connection_string("postgres"),
-                "--table",
-                "public.a",
-                "--table",
-                "public.b",
-                "--flow",
-                "ab",
-                "--evaluate",
-            ],
-        ),
-        "init",
+    init_flow(
+        d,
+        &source.connection_string("postgres"),
+        &target.connection_string("postgres"),
+        &["public.a", "public.b"],
+        "ab",
+        "external",
     );
-    let run = || {
-        ok(
-            &trellara(
-                d,
-                &["run", "--config", "trellara.yml", "--local", "--verify"],
-            ),
-            "run",
-        )
-    };
+    let run = || run_verify(d, "run");
     assert!(run().contains("ab CONVERGED"));
     // One source transaction: its two TRUNCATE messages meet in one batch.
     source.psql("BEGIN; TRUNCATE public.a; TRUNCATE public.b RESTART IDENTITY; COMMIT");
@@ -1173,33 +1154,15 @@ fn tables_linked_by_foreign_keys_on(major: Major) {
     );
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    ok(
-        &trellara(
-            d,
-            &[
-                "init",
-                "--source-database-url",
-                &source.connection_string("postgres"),
-                "--target-database-url",
-                &target.connection_string("postgres"),
-                "--table",
-                "public.orders",
-                "--table",
-                "public.customers",
-                "--flow",
-                "fk",
-                "--evaluate",
-            ],
-        ),
-        "init",
+    init_flow(
+        d,
+        &source.connection_string("postgres"),
+        &target.connection_string("postgres"),
+        &["public.orders", "public.customers"],
+        "fk",
+        "external",
     );
-    let out = ok(
-        &trellara(
-            d,
-            &["run", "--config", "trellara.yml", "--local", "--verify"],
-        ),
-        "first run",
-    );
+    let out = run_verify(d, "first run");
     assert!(out.contains("fk CONVERGED"), "{major}: {out}");
     // Copied again over the rows already there.
     source.psql("INSERT INTO public.customers VALUES (21, 'c21'); INSERT INTO public.orders VALUES (51, 21)");
@@ -1214,9 +1177,7 @@ fn tables_linked_by_foreign_keys_on(major: Major) {
     );
 
     target.psql("CREATE TABLE public.audit (customer_id int REFERENCES public.customers)");
-    let out = trellara(d, &["reseed", "--config", "trellara.yml"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = fails(&trellara(d, &["reseed", "--config", "trellara.yml"]), 1);
     assert!(
         err.contains("referenced on the target by public.audit") && err.contains("DROP CONSTRAINT"),
         "{major}: {err}"
@@ -1248,9 +1209,10 @@ fn a_publication_the_operator_named_on(major: Major) {
     )
     .expect("name the publication");
     workload(&p.source, 1, 5);
-    let out = trellara(d, &["run", "--config", "trellara.yml", "--local"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = fails(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        1,
+    );
     assert!(
         err.contains("publication shop_pub on the source does not stream all the flow copies")
             && err.contains("ALTER PUBLICATION shop_pub ADD TABLE \"public\".\"line_items\"")
@@ -1308,9 +1270,7 @@ fn a_commit_refused_by_a_deferred_constraint_on(major: Major) {
     p.source
         .psql("INSERT INTO public.line_items VALUES (999, 1, 1, 1.00, 'orphan')");
     workload(&p.source, 10, 2);
-    let out = run();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = fails(&run(), 1);
     assert!(
         err.contains("quarantined") && err.contains("lines_need_orders"),
         "{major}: {err}"
@@ -1762,22 +1722,28 @@ fn follow_rides_through_a_target_restart_on(major: Major) {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("spawn run --follow");
-    let wait_for = |target: &Cluster, want: &str| {
+    let wait_for = |target: &Cluster, sql: &str, want: &str| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while target.psql_value("SELECT count(*) FROM public.orders") != want {
+        while target.psql_value(sql) != want {
             assert!(
                 std::time::Instant::now() < deadline,
-                "orders never reached {want}"
+                "{sql} never reached {want}"
             );
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
     };
-    wait_for(&p.target, "5");
+    let orders = "SELECT count(*) FROM public.orders";
+    // Streaming: the snapshot handed off (a signal during a snapshot stops
+    // it unfinished, which the next run plans again).
+    let handed_off =
+        "SELECT coalesce((SELECT state FROM trellara.snapshot_runs WHERE flow = 'shop'), '')";
+    wait_for(&p.target, orders, "5");
+    wait_for(&p.target, handed_off, "stream_handoff_ready");
     p.target
         .crash_restart()
         .expect("crash and restart the target");
     workload(&p.source, 100, 10);
-    wait_for(&p.target, "15");
+    wait_for(&p.target, orders, "15");
     assert!(
         child.try_wait().expect("poll").is_none(),
         "the follower kept running"

@@ -380,15 +380,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     }
     if args.verify {
-        return verify_flows(
-            &config,
-            &config_path,
-            None,
-            None,
-            args.format,
-            verify::CHUNK_ROWS,
-            &rt,
-        );
+        return could_not_verify(|| {
+            verify_flows(
+                &config,
+                &config_path,
+                None,
+                None,
+                args.format,
+                verify::CHUNK_ROWS,
+                &rt,
+            )
+        });
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -410,7 +412,7 @@ fn run_json(r: &flow::RunReport) -> serde_json::Value {
 }
 
 pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
-    let outcome = (|| {
+    could_not_verify(|| {
         let config = config::load(&args.config)?;
         let rt = runtime()?;
         verify_flows(
@@ -422,8 +424,13 @@ pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
             args.chunk_rows,
             &rt,
         )
-    })();
-    match outcome {
+    })
+}
+
+/// A verify that fails exits 2 (could not verify), never 1: a failed check
+/// is no divergence.
+fn could_not_verify(check: impl FnOnce() -> anyhow::Result<ExitCode>) -> anyhow::Result<ExitCode> {
+    match check() {
         Ok(code) => Ok(code),
         Err(err) => {
             eprintln!("error: {}", super::chain(&err));
@@ -432,35 +439,7 @@ pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// [`verify_flows_or_fail`], exiting 2 (could not verify) on an error, as
-/// `verify` does: a failed check is never reported as a divergence.
 fn verify_flows(
-    config: &Config,
-    config_path: &str,
-    only_flow: Option<&str>,
-    table: Option<&str>,
-    format: Format,
-    chunk_rows: u64,
-    rt: &tokio::runtime::Runtime,
-) -> anyhow::Result<ExitCode> {
-    match verify_flows_or_fail(
-        config,
-        config_path,
-        only_flow,
-        table,
-        format,
-        chunk_rows,
-        rt,
-    ) {
-        Ok(code) => Ok(code),
-        Err(err) => {
-            eprintln!("error: {}", super::chain(&err));
-            Ok(ExitCode::from(EXIT_ERROR))
-        }
-    }
-}
-
-fn verify_flows_or_fail(
     config: &Config,
     config_path: &str,
     only_flow: Option<&str>,
@@ -754,15 +733,17 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     }
     if args.verify {
-        return verify_flows(
-            &config,
-            &config_path,
-            args.flow.as_deref(),
-            None,
-            args.format,
-            verify::CHUNK_ROWS,
-            &rt,
-        );
+        return could_not_verify(|| {
+            verify_flows(
+                &config,
+                &config_path,
+                args.flow.as_deref(),
+                None,
+                args.format,
+                verify::CHUNK_ROWS,
+                &rt,
+            )
+        });
     }
     Ok(ExitCode::SUCCESS)
 }
