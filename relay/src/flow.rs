@@ -428,19 +428,15 @@ pub async fn run_watched<W: Watch>(
         ));
         // A long copy stops at a signal too; the next run plans it again
         // (an interrupted snapshot never resumes at its boundary).
-        let copy = snapshot::run(flow, &source_url, &source, &target, progress);
-        let copied = match shutdown.clone().filter(|_| follow) {
-            Some(mut stop) => tokio::select! {
-                copied = copy => Some(copied?),
-                _ = stop.wait_for(|stop| *stop) => None,
-            },
-            None => Some(copy.await?),
-        };
-        let Some(copied) = copied else {
-            progress("snapshot: stopped by a signal; the next run plans it again");
-            return Ok(report);
-        };
-        report.snapshot = Some(copied);
+        let stop = shutdown.clone().filter(|_| follow);
+        match snapshot::run(flow, &source_url, &source, &target, progress, stop).await {
+            Ok(copied) => report.snapshot = Some(copied),
+            Err(e @ snapshot::SnapshotError::Stopped) => {
+                progress(&e.to_string());
+                return Ok(report);
+            }
+            Err(e) => return Err(e.into()),
+        }
     } else {
         let copied: Vec<String> = target
             .query(

@@ -53,6 +53,8 @@ pub enum SnapshotError {
         problem: String,
         fix: String,
     },
+    #[error("the snapshot was stopped by a signal while copying; the next run plans it again")]
+    Stopped,
     #[error("snapshot state {from} cannot become {to}")]
     Transition {
         from: &'static str,
@@ -366,12 +368,17 @@ pub struct SnapshotReport {
 /// Runs the whole machine from planned to stream_handoff_ready: creates the
 /// publication if missing, the slot with an exported snapshot, copies every
 /// table at that boundary, and records the handoff.
+///
+/// `stop` turning true ends a table copy at once ([`SnapshotError::Stopped`]:
+/// the next run plans the snapshot again); once every table is copied the
+/// handoff, a few statements, completes.
 pub async fn run(
     flow: &Flow,
     source_url: &str,
     source: &Client,
     target: &Client,
     progress: &mut dyn FnMut(&str),
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
 ) -> Result<SnapshotReport, SnapshotError> {
     let mut io = PgSnapshot {
         flow,
@@ -379,6 +386,7 @@ pub async fn run(
         source,
         target,
         repl: None,
+        stop,
     };
     run_machine(&mut io, &flow.tables, progress, &NoCrash).await
 }
@@ -447,6 +455,7 @@ pub struct PgSnapshot<'a> {
     target: &'a Client,
     /// The replication session whose exported snapshot the copy uses.
     repl: Option<Connection>,
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl std::fmt::Debug for PgSnapshot<'_> {
@@ -741,15 +750,22 @@ impl SnapshotIo for PgSnapshot<'_> {
         snapshot: &str,
         progress: &mut dyn FnMut(&str),
     ) -> Result<u64, SnapshotError> {
-        copy_table(
+        let copy = copy_table(
             table,
             snapshot,
             self.source,
             self.target,
             &self.flow.name,
             progress,
-        )
-        .await
+        );
+        match self.stop.clone() {
+            // Dropping the copy rolls its target transaction back.
+            Some(mut stop) => tokio::select! {
+                copied = copy => copied,
+                _ = stop.wait_for(|stop| *stop) => Err(SnapshotError::Stopped),
+            },
+            None => copy.await,
+        }
     }
 
     async fn release_snapshot(&mut self) {

@@ -1764,6 +1764,82 @@ fn follow_rides_through_a_target_restart_on(major: Major) {
     assert!(out.contains("shop CONVERGED"), "{out}");
 }
 
+#[test]
+fn sigterm_stops_a_long_snapshot_copy_and_the_next_run_copies_again() {
+    on_every_major(sigterm_stops_a_long_snapshot_copy_on);
+}
+
+/// `run --follow` told to stop while a large table is being copied ends
+/// at once, leaving the snapshot unfinished; the next run plans it again
+/// and converges.
+fn sigterm_stops_a_long_snapshot_copy_on(major: Major) {
+    let Some(source) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    for c in [&source, &target] {
+        c.psql("CREATE TABLE public.big (id bigint PRIMARY KEY, v text)");
+    }
+    source.psql(
+        "INSERT INTO public.big SELECT i, repeat('x', 200) FROM generate_series(1, 1000000) i",
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    init_flow(
+        d,
+        &source.connection_string("postgres"),
+        &target.connection_string("postgres"),
+        &["public.big"],
+        "big",
+        "external",
+    );
+    let child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["run", "--config", "trellara.yml", "--local", "--follow"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn run --follow");
+    let state =
+        "SELECT coalesce((SELECT state FROM trellara.snapshot_runs WHERE flow = 'big'), '')";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while target.psql_value("SELECT to_regclass('trellara.snapshot_runs') IS NOT NULL") != "t"
+        || target.psql_value(state) != "copying"
+    {
+        assert!(std::time::Instant::now() < deadline, "never copying");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("sigterm");
+    let out = child.wait_with_output().expect("reap");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{major}: {said}");
+    assert!(
+        said.contains("stopped by a signal while copying"),
+        "{major}: {said}"
+    );
+    assert_eq!(
+        target.psql_value(state),
+        "copying",
+        "{major}: left unfinished"
+    );
+    assert_eq!(
+        target.psql_value("SELECT count(*) FROM public.big"),
+        "0",
+        "the copy rolled back"
+    );
+    let out = run_verify(d, "the next run");
+    assert!(
+        out.contains("re-planning") && out.contains("big CONVERGED"),
+        "{major}: {out}"
+    );
+}
+
 /// Chunk `index` of `count` of a transaction at `commit`, inserting id `id`.
 fn sales_chunk(commit: u64, index: u32, count: u32, id: i64) -> Vec<u8> {
     let mut env = trellara_common::sample::chunk(commit, index, count);
