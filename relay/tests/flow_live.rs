@@ -1225,17 +1225,48 @@ fn a_publication_the_operator_named_on(major: Major) {
         "1",
         "left as the operator made it"
     );
+    // A column list leaves out what the copy has.
     p.source.psql(
-        "ALTER PUBLICATION shop_pub ADD TABLE public.line_items;
+        "ALTER PUBLICATION shop_pub ADD TABLE public.line_items (order_id, line, qty, price);
          ALTER PUBLICATION shop_pub SET (publish = 'insert, update, delete, truncate')",
     );
-    let out = ok(
-        &trellara(
-            d,
-            &["run", "--config", "trellara.yml", "--local", "--verify"],
-        ),
-        "run once the publication covers the flow",
+    let err = fails(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        1,
     );
+    assert!(
+        err.contains("filters the rows or columns of public.line_items"),
+        "{major}: {err}"
+    );
+    p.source
+        .psql("ALTER PUBLICATION shop_pub SET TABLE public.orders, public.line_items");
+    // A slot of the flow's name on another database is another flow's.
+    p.source.psql("CREATE DATABASE other");
+    let mut other =
+        postgres::Client::connect(&p.source.connection_string("other"), postgres::NoTls)
+            .expect("connect other");
+    other
+        .batch_execute("SELECT pg_create_logical_replication_slot('trellara_shop', 'pgoutput')")
+        .expect("slot on other");
+    let err = fails(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        1,
+    );
+    assert!(
+        err.contains("belongs to database other") && err.contains("source.slot"),
+        "{major}: {err}"
+    );
+    assert_eq!(
+        p.source.psql_value(
+            "SELECT database FROM pg_replication_slots WHERE slot_name = 'trellara_shop'"
+        ),
+        "other",
+        "not dropped"
+    );
+    other
+        .batch_execute("SELECT pg_drop_replication_slot('trellara_shop')")
+        .expect("drop");
+    let out = run_verify(d, "run once the publication covers the flow");
     assert!(out.contains("shop CONVERGED"), "{major}: {out}");
 }
 
