@@ -678,7 +678,7 @@ impl Session {
                             // Nothing past what this worker decoded can be
                             // durable in the relay's log: such an Ack would
                             // move the slot over WAL never captured.
-                            if end_lsn > self.decoded_to.max(self.progress_sent) {
+                            if end_lsn > self.decoded_to {
                                 return Err(format!(
                                     "relay socket {}: the relay acknowledged {}, past what this worker decoded ({}); refusing to move the slot",
                                     self.socket_path,

@@ -164,7 +164,7 @@ pub fn needs_snapshot(current: Option<SnapshotState>) -> bool {
 const COPY_PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Newlines in `bytes`: the rows of a piece of COPY text.
-fn memchr_count(bytes: &[u8]) -> u64 {
+fn newlines(bytes: &[u8]) -> u64 {
     bytes.iter().filter(|&&b| b == b'\n').count() as u64
 }
 
@@ -935,7 +935,7 @@ async fn copy_table(
         let (mut rows, mut bytes) = (0u64, 0u64);
         while let Some(chunk) = out.next().await {
             let chunk = chunk.map_err(SnapshotError::Source)?;
-            rows += memchr_count(&chunk);
+            rows += newlines(&chunk);
             bytes += chunk.len() as u64;
             sink.send(chunk).await.map_err(SnapshotError::Target)?;
             if told.elapsed() >= COPY_PROGRESS_EVERY {

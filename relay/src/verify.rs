@@ -221,12 +221,13 @@ async fn ordered_key(
     );
     Ok(key
         .into_iter()
-        .map(
-            |(k, ty)| match on_source.contains_key(&k) || on_target.contains_key(&k) {
-                true => (format!("({k} COLLATE \"C\")"), ty),
-                false => (k, ty),
-            },
-        )
+        .map(|(k, ty)| {
+            if on_source.contains_key(&k) || on_target.contains_key(&k) {
+                (format!("({k} COLLATE \"C\")"), ty)
+            } else {
+                (k, ty)
+            }
+        })
         .collect())
 }
 
