@@ -1,7 +1,8 @@
 //! Shared by every Trellara crate: the envelope v1 wire contract
 //! ([`envelope`]), log sequence numbers ([`lsn`]), pinned schema
-//! fingerprints ([`fingerprint`]) and the native extension's frames
-//! ([`native_frame`]) and socket protocol ([`native_wire`]).
+//! fingerprints ([`fingerprint`]), the native extension's frames
+//! ([`native_frame`]) and socket protocol ([`native_wire`]), and files
+//! only their owner may read ([`owner_only`]).
 
 #[cfg(feature = "envelope")]
 pub mod envelope;
@@ -12,6 +13,7 @@ pub mod lsn;
 pub mod native_frame;
 #[cfg(feature = "envelope")]
 pub mod native_wire;
+pub mod owner_only;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod sample;
 

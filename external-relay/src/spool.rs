@@ -95,7 +95,7 @@ impl Spool {
         if self.file.is_some() {
             return Ok(());
         }
-        std::fs::create_dir_all(spill_dir)?;
+        trellara_common::owner_only::create_dir_all(spill_dir)?;
         // Unlinked at creation: nothing to clean up after a crash.
         let mut file = BufWriter::with_capacity(64 * 1024, tempfile::tempfile_in(spill_dir)?);
         file.write_all(&self.mem)?;

@@ -113,15 +113,30 @@ impl SecretRef {
                     format!("export {var}=postgresql://..."),
                 )
             }),
-            (None, None, Some(path)) => std::fs::read_to_string(path)
-                .map(|s| s.trim().to_owned())
-                .map_err(|e| {
+            (None, None, Some(path)) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
                     ConfigIssue::new(
                         format!("{field}.url_file"),
                         format!("cannot read {}: {e}", path.display()),
                         "point url_file at a readable file holding only the URL".into(),
                     )
-                }),
+                })?;
+                // A second line is not part of a URL: taking the first
+                // (or all) would connect somewhere the file did not say.
+                let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+                match lines.as_slice() {
+                    [url] => Ok(url.trim().to_owned()),
+                    _ => Err(ConfigIssue::new(
+                        format!("{field}.url_file"),
+                        format!(
+                            "{} holds {} non-empty lines, not one URL",
+                            path.display(),
+                            lines.len()
+                        ),
+                        "keep only the connection string in the file, on one line".into(),
+                    )),
+                }
+            }
             _ => Err(ConfigIssue::new(
                 field.to_owned(),
                 "needs exactly one of url, url_env, url_file".into(),
@@ -177,8 +192,11 @@ impl Default for Transport {
     }
 }
 
+/// The log's default size limit.
+pub const DEFAULT_RETENTION_MIB: u64 = 1024;
+
 fn default_retention_mib() -> u64 {
-    1024
+    DEFAULT_RETENTION_MIB
 }
 
 fn default_log_dir() -> PathBuf {
@@ -262,8 +280,31 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
 }
 
 pub fn parse(text: &str) -> Result<Config, String> {
-    serde_yaml_ng::from_str(text)
-        .map_err(|e| format!("{e}\nhint: see docs/CONFIG.md for every field (schema_version: 2)"))
+    serde_yaml_ng::from_str(text).map_err(|e| {
+        format!(
+            "{}\nhint: see docs/CONFIG.md for every field (schema_version: 2)",
+            scrub(&e.to_string())
+        )
+    })
+}
+
+/// A parse error without the values it quotes: serde names an unexpected
+/// value as `string "..."`, and that value may be a password or a URL with
+/// one. Field and variant names (in backquotes) stay.
+fn scrub(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut quoted = false;
+    for c in message.chars() {
+        if c == '"' {
+            if !quoted {
+                out.push_str("\"<redacted>\"");
+            }
+            quoted = !quoted;
+        } else if !quoted {
+            out.push(c);
+        }
+    }
+    trellara_check::redact(&out)
 }
 
 fn valid_name(name: &str) -> bool {
@@ -404,12 +445,30 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
             );
         }
         for (t, table) in flow.tables.iter().enumerate() {
-            if split_table(table).is_none() {
-                issue(
+            match split_table(table) {
+                None => issue(
                     format!("flows[{i}].tables[{t}]"),
                     format!("{table:?} is not schema.table"),
                     "qualify the table, e.g. public.sales",
-                );
+                ),
+                // Trellara's own state and the catalog are never data to move:
+                // applying them would overwrite the target's checkpoints.
+                Some((schema, _))
+                    if matches!(schema, "trellara" | "pg_catalog" | "information_schema")
+                        || schema.starts_with("pg_toast") =>
+                {
+                    issue(
+                        format!("flows[{i}].tables[{t}]"),
+                        format!("{table} is in schema {schema}, which is not replicated"),
+                        "list only the application's tables",
+                    )
+                }
+                Some(_) if flow.tables[..t].contains(table) => issue(
+                    format!("flows[{i}].tables[{t}]"),
+                    format!("{table} is listed twice"),
+                    "list each table once",
+                ),
+                Some(_) => {}
             }
         }
         if let Transport::Kafka { topic, .. } = &flow.transport
@@ -543,6 +602,36 @@ flows:
     }
 
     #[test]
+    fn state_catalog_and_duplicated_tables_are_refused() {
+        for (tables, problem) in [
+            ("[trellara.checkpoints]", "schema trellara"),
+            ("[pg_catalog.pg_class]", "schema pg_catalog"),
+            ("[public.orders, public.orders]", "listed twice"),
+        ] {
+            let config =
+                parse(&GOOD.replace("[public.orders, public.line_items]", tables)).expect("parses");
+            let issues = validate(&config);
+            assert!(
+                issues.iter().any(|i| i.problem.contains(problem)),
+                "{tables}: {issues:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_parse_error_quotes_no_value() {
+        for text in [
+            "schema_version: 2\nflows:\n  - name: a\n    source: \"postgresql://u:hunter2@h/db\"\n",
+            "schema_version: 2\nflows:\n  - name: a\n    source:\n      url: [\"postgresql://u:hunter2@h/db\"]\n",
+            "schema_version: hunter2\nflows: []\n",
+        ] {
+            let err = parse(text).expect_err("invalid");
+            assert!(!err.contains("hunter2"), "{err}");
+            assert!(err.contains("line"), "names where: {err}");
+        }
+    }
+
+    #[test]
     fn typos_are_errors_naming_the_field() {
         let err = parse(&GOOD.replace("tables:", "tabels:")).expect_err("unknown field");
         assert!(err.contains("tabels"), "{err}");
@@ -651,6 +740,13 @@ flows:
             by_file.resolve("target").expect("file"),
             "postgresql://u@h/db"
         );
+        std::fs::write(
+            by_file.url_file.as_ref().expect("path"),
+            "postgresql://u@h/db\npostgresql://u@other/db\n",
+        )
+        .expect("write");
+        let err = by_file.resolve("target").expect_err("two lines");
+        assert!(err.problem.contains("2 non-empty lines"), "{err}");
         let missing = SecretRef {
             url_env: Some("TRELLARA_SURELY_UNSET_VAR".into()),
             ..SecretRef::default()

@@ -68,6 +68,22 @@ pub enum FlowError {
     },
     #[error("{what} reads {text:?}, not an LSN")]
     BadLsn { what: String, text: String },
+    #[error(
+        "refused by preflight's checks; nothing was created or changed on the source or the target:\n{}\nhint: trellara preflight --config {config} shows every check",
+        blockers.iter().map(|b| format!("  - {b}")).collect::<Vec<_>>().join("\n")
+    )]
+    Blocked {
+        blockers: Vec<String>,
+        config: String,
+    },
+    #[error("preflight of flow {flow}")]
+    Preflight {
+        flow: String,
+        #[source]
+        source: crate::preflight::PreflightError,
+    },
+    #[error(transparent)]
+    Identity(#[from] crate::identity::IdentityError),
     #[error("log directory {path}: {source}")]
     LogDir {
         path: String,
@@ -198,6 +214,68 @@ pub async fn follow(
     }
 }
 
+/// Preflight's checks, before anything is created or changed on either
+/// side: a critical finding about this flow refuses the run
+/// ([`FlowError::Blocked`], exit 3); the grader's warnings are shown.
+pub async fn gate(
+    flow: &Flow,
+    source_url: &str,
+    source: &Client,
+    target: &Client,
+    config_path: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), FlowError> {
+    let assessment = crate::preflight::assess(flow, source_url, source, target, Duration::ZERO)
+        .await
+        .map_err(|source| FlowError::Preflight {
+            flow: flow.name.clone(),
+            source,
+        })?;
+    for warning in assessment.warnings() {
+        progress(&format!("preflight: warning {warning}"));
+    }
+    let blockers = assessment.blockers();
+    if !blockers.is_empty() {
+        return Err(FlowError::Blocked {
+            blockers,
+            config: config_path.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a target that is the source database itself (for commands that
+/// write state to the target without running the whole gate: verify).
+pub async fn refuse_same_database(
+    source: &Client,
+    target: &Client,
+    config_path: &str,
+) -> Result<(), FlowError> {
+    if crate::identity::same_database(source, target).await? {
+        return Err(FlowError::Blocked {
+            blockers: vec![
+                "target identity: is the source database itself\n    fix: point the flow's target.url at another database".into(),
+            ],
+            config: config_path.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Who owns the flow's log: the flow, its source id, the source database.
+pub async fn log_owner(
+    flow: &Flow,
+    source: &Client,
+) -> Result<crate::identity::LogOwner, FlowError> {
+    Ok(crate::identity::LogOwner {
+        flow: flow.name.clone(),
+        source_id: flow.source_id(),
+        source: crate::identity::Database::read(source)
+            .await
+            .map_err(crate::identity::IdentityError::Source)?,
+    })
+}
+
 /// Opens a plain SQL connection; the connection task runs in the background.
 pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError> {
     // The same connection string rules and TLS (sslmode, sslrootcert) as
@@ -293,9 +371,17 @@ pub fn urls(flow: &Flow, index: usize) -> Result<(String, String), FlowError> {
 
 /// Marks the flow's snapshot run failed_recoverable so the next round
 /// re-plans it: a new slot, a new consistent LSN, every table copied again.
-pub async fn request_reseed(flow: &Flow, index: usize, reason: &str) -> Result<(), FlowError> {
-    let (_, target_url) = urls(flow, index)?;
+pub async fn request_reseed(
+    flow: &Flow,
+    index: usize,
+    reason: &str,
+    config_path: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), FlowError> {
+    let (source_url, target_url) = urls(flow, index)?;
+    let source = connect(&source_url, "source").await?;
     let target = connect(&target_url, "target").await?;
+    gate(flow, &source_url, &source, &target, config_path, progress).await?;
     state::ensure(&target).await?;
     if snapshot::load(&target, &flow.name).await?.is_some() {
         snapshot::transition(
@@ -387,6 +473,8 @@ pub async fn run_watched<W: Watch>(
     let (source_url, target_url) = urls(flow, index)?;
     let source = connect(&source_url, "source").await?;
     let target = connect(&target_url, "target").await?;
+    gate(flow, &source_url, &source, &target, config_path, progress).await?;
+    let owner = log_owner(flow, &source).await?;
     state::ensure(&target).await?;
     let mut report = RunReport {
         flow: flow.name.clone(),
@@ -409,6 +497,8 @@ pub async fn run_watched<W: Watch>(
     {
         return Err(FlowError::Native(format!("flow {}: {refusal}", flow.name)));
     }
+    // Checked again under the lock: the directory may be removed below.
+    crate::identity::check_dir(&log_dir, &owner)?;
     let current = snapshot::load(&target, &flow.name).await?;
     if snapshot::needs_snapshot(current.as_ref().map(|r| r.state)) {
         // A new boundary means a new stream: the old log cannot be applied
@@ -544,6 +634,7 @@ pub async fn run_watched<W: Watch>(
         ..LogConfig::default()
     };
     let (log, report_open) = Log::open(FsStorage::new(), &log_dir, log_config)?;
+    crate::identity::claim(&log, &log_dir, &owner)?;
     if let Some(torn) = &report_open.torn_tail {
         progress(&format!(
             "log: cut a torn tail of {} bytes left by a crash",
@@ -839,6 +930,8 @@ async fn native_capture(
         progress: Some(progress),
         begun: Some(begun),
         floor,
+        // run claimed the log when it opened it.
+        owner: None,
     };
     let serve = crate::native::serve_on(config, log, stop);
     let start = async {

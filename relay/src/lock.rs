@@ -9,7 +9,7 @@
 //! snapshot can remove and recreate the directory while holding it.
 
 use nix::fcntl::{Flock, FlockArg};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -34,9 +34,9 @@ pub fn try_lock(log_dir: &Path) -> io::Result<Option<LogLock>> {
     if let Some(parent) = path.parent()
         && !parent.as_os_str().is_empty()
     {
-        std::fs::create_dir_all(parent)?;
+        trellara_common::owner_only::create_dir_all(parent)?;
     }
-    let file = OpenOptions::new()
+    let file = trellara_common::owner_only::options()
         .create(true)
         .truncate(false)
         .write(true)

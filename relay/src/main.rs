@@ -13,7 +13,7 @@ fn main() -> ExitCode {
         Err(err) => {
             // `{:#}` prints the whole context chain: what failed and why.
             eprintln!("error: {}", cli::chain(&err));
-            ExitCode::from(1)
+            ExitCode::from(cli::exit_status(&err, 1))
         }
     }
 }

@@ -54,6 +54,9 @@ pub struct NativeConfig {
     /// end as what is safe: with an empty or replaced log, a slot confirmed
     /// past both is a gap, refused, not a fresh start.
     pub floor: Lsn,
+    /// The flow that owns the log ([`crate::identity`]): [`serve`] claims
+    /// it, or refuses a log of another flow or source.
+    pub owner: Option<crate::identity::LogOwner>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +85,8 @@ pub enum NativeError {
     Log(#[from] crate::log::Error),
     #[error(transparent)]
     Capture(#[from] crate::capture::CaptureError),
+    #[error(transparent)]
+    Identity(#[from] crate::identity::IdentityError),
 }
 
 fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> NativeError {
@@ -105,7 +110,13 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<NativeStats, NativeError> {
     let _lock = crate::lock::lock(&config.log_dir).map_err(io("lock the log directory"))?;
+    if let Some(owner) = &config.owner {
+        crate::identity::check_dir(&config.log_dir, owner)?;
+    }
     let (log, report) = Log::open(FsStorage::new(), &config.log_dir, LogConfig::default())?;
+    if let Some(owner) = &config.owner {
+        crate::identity::claim(&log, &config.log_dir, owner)?;
+    }
     if let Some(torn) = &report.torn_tail {
         tracing::warn!(segment = %torn.segment.display(), bytes = torn.truncated_bytes, "cut torn log tail left by a crash");
     }
@@ -585,9 +596,16 @@ async fn reject<W: tokio::io::AsyncWrite + Unpin>(
     // Named by content: a worker replaying the same bad frame after its
     // backoff overwrites one file instead of filling the disk.
     let stamp = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes));
-    let kept = std::fs::create_dir_all(&dir)
-        .and_then(|()| std::fs::write(dir.join(format!("native-{stamp}.bin")), bytes))
-        .and_then(|()| std::fs::write(dir.join(format!("native-{stamp}.reason")), reason));
+    let kept = trellara_common::owner_only::create_dir_all(&dir)
+        .and_then(|()| {
+            trellara_common::owner_only::write(&dir.join(format!("native-{stamp}.bin")), bytes)
+        })
+        .and_then(|()| {
+            trellara_common::owner_only::write(
+                &dir.join(format!("native-{stamp}.reason")),
+                reason.as_bytes(),
+            )
+        });
     let kept = match kept {
         Ok(()) => format!("kept in {}/native-{stamp}.bin", dir.display()),
         Err(e) => format!("could not be kept in {}: {e}", dir.display()),

@@ -1,11 +1,23 @@
-//! The target side of `trellara preflight` (the source side is the
-//! read-only grader, `trellara_check`): every table of the flow exists on
+//! `trellara preflight`, and the gate in front of `run`, `reseed` and
+//! `relay --config`: the read-only grader (`trellara_check`) on the source
+//! for the flow's tables, then the flow's own checks: source and target are
+//! two databases, the log directory is this flow's, every table exists on
 //! the target with the source's columns and types. Read-only: the queries
-//! run in a READ ONLY transaction and create nothing.
+//! run in READ ONLY transactions and create nothing.
+//!
+//! A command that would write refuses while any critical finding about
+//! this flow stands ([`Assessment::blockers`]), before it creates or alters
+//! anything on either side. The grader's findings about other objects
+//! (another tool's stalled slot) are warnings there; a full
+//! `max_replication_slots` does not block a flow whose slot already exists.
 
 use crate::config::{Flow, split_table};
 use serde::Serialize;
+use std::time::Duration;
 use tokio_postgres::Client;
+
+/// The grader's rule for "no free replication slot".
+const NO_FREE_SLOT: &str = "C03";
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
@@ -36,7 +48,152 @@ fn finding(
     }
 }
 
-pub async fn target(
+/// What preflight found for one flow.
+#[derive(Debug)]
+pub struct Assessment {
+    /// The grader's report of the source.
+    pub source: trellara_check::Report,
+    /// The flow's own checks (target tables, identity, log directory).
+    pub flow: Vec<Finding>,
+    /// The flow's slot exists on the source already.
+    pub has_slot: bool,
+}
+
+impl Assessment {
+    /// Each critical finding about this flow, with its fix.
+    pub fn blockers(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .source
+            .critical()
+            .filter(|f| !(self.has_slot && f.rule == NO_FREE_SLOT))
+            .map(|f| {
+                let subject = f
+                    .subject
+                    .as_deref()
+                    .map(|s| format!(" ({s})"))
+                    .unwrap_or_default();
+                match &f.action {
+                    Some(a) => format!("source {}{subject}: {}\n    fix: {a}", f.rule, f.message),
+                    None => format!("source {}{subject}: {}", f.rule, f.message),
+                }
+            })
+            .collect();
+        out.extend(
+            self.flow
+                .iter()
+                .filter(|f| f.blocking)
+                .map(|f| match &f.action {
+                    Some(a) => format!("{} {}: {}\n    fix: {a}", f.side, f.check, f.detail),
+                    None => format!("{} {}: {}", f.side, f.check, f.detail),
+                }),
+        );
+        out
+    }
+
+    /// The grader's warnings (other slots, WAL headroom, ...): shown, not blocking.
+    pub fn warnings(&self) -> Vec<String> {
+        self.source
+            .findings
+            .iter()
+            .filter(|f| f.severity == trellara_check::Severity::Warning)
+            .map(|f| {
+                let subject = f
+                    .subject
+                    .as_deref()
+                    .map(|s| format!(" ({s})"))
+                    .unwrap_or_default();
+                format!("{}{subject}: {}", f.rule, f.message)
+            })
+            .collect()
+    }
+
+    /// Whether preflight answers BLOCKED: a blocker, or a fact the grader
+    /// could not read (never taken as fine).
+    pub fn blocked(&self) -> bool {
+        !self.blockers().is_empty() || self.source.verdict() == trellara_check::Verdict::Unassessed
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PreflightError {
+    #[error("the source database URL: {0}")]
+    Url(String),
+    #[error("grade the source")]
+    Grade(#[source] trellara_check::CheckError),
+    #[error("check the flow")]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Identity(#[from] crate::identity::IdentityError),
+}
+
+/// Every check of preflight for `flow`, read-only. `sample` is the grader's
+/// WAL-rate window (preflight: 1 s; the gate in front of a run: none).
+pub async fn assess(
+    flow: &Flow,
+    source_url: &str,
+    source: &Client,
+    target: &Client,
+    sample: Duration,
+) -> Result<Assessment, PreflightError> {
+    let mut options: trellara_check::ConnectOptions = source_url
+        .parse()
+        .map_err(|e: trellara_check::WireError| PreflightError::Url(e.to_string()))?;
+    options.replication = false;
+    options.application_name = "trellara-check".into();
+    let request = trellara_check::Request {
+        tables: flow.tables.clone(),
+        sample,
+    };
+    let report = trellara_check::assess(&options, &request)
+        .await
+        .map_err(PreflightError::Grade)?;
+    let mut found = Vec::new();
+    let same = crate::identity::same_database(source, target).await?;
+    found.push(finding(
+        "target",
+        "identity",
+        !same,
+        true,
+        if same {
+            "is the source database itself: the snapshot would empty the source's tables".into()
+        } else {
+            "another database than the source".into()
+        },
+        Some("point the flow's target.url at another database".into()),
+    ));
+    let db = crate::identity::Database::read(source).await?;
+    if let Some(dir) = flow.log_dir() {
+        let owner = crate::identity::LogOwner {
+            flow: flow.name.clone(),
+            source_id: flow.source_id(),
+            source: db,
+        };
+        let (ok, detail) = match crate::identity::check_dir(dir, &owner) {
+            Ok(()) => (true, format!("{} is this flow's", dir.display())),
+            Err(e) => (false, e.to_string()),
+        };
+        found.push(finding(
+            "log",
+            "log directory",
+            ok,
+            true,
+            detail,
+            Some("give this flow its own transport.log_dir in trellara.yml".into()),
+        ));
+    }
+    if !same {
+        found.extend(target_tables(flow, source, target).await?);
+    }
+    let has_slot = report.facts.slots.iter().any(|s| s.name == flow.slot());
+    Ok(Assessment {
+        source: report,
+        flow: found,
+        has_slot,
+    })
+}
+
+/// Every table of the flow exists on the target with the source's columns.
+async fn target_tables(
     flow: &Flow,
     source: &Client,
     target: &Client,

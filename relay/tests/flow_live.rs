@@ -1007,7 +1007,7 @@ fn a_partitioned_table_replicates_and_verifies_through_its_root_on(major: Major)
             native.path(),
             &["run", "--config", "trellara.yml", "--local"],
         ),
-        1,
+        3,
     );
     assert!(
         err.contains("table public.events is partitioned") && err.contains("capture: external"),
@@ -1435,7 +1435,7 @@ fn redelivery_after_commit_before_cursor_is_skipped_and_counted_on(major: Major)
     );
     // The state a crash leaves between the target commit and the cursor
     // move: the target has everything, the cursor says nothing was applied.
-    let log_dir = d.join(".trellara/log");
+    let log_dir = d.join(".trellara/trellara/shop/log");
     {
         let (log, _) = trellara_relay::log::Log::open(
             trellara_relay::log::storage::FsStorage::new(),
@@ -1926,7 +1926,7 @@ impl ApplierRig {
                 .await
                 .expect("connect");
             trellara_relay::state::ensure(&client).await.expect("state");
-            trellara_relay::apply::Applier::new(client, "t", "src", "trellara.yml")
+            trellara_relay::apply::Applier::new(client, "t", "orders-primary", "trellara.yml")
         })
     }
 }

@@ -188,7 +188,7 @@ fn the_applier_reads_the_topic_and_moves_the_group_offset_after_the_target() {
             .await
             .expect("connect");
         trellara_relay::state::ensure(&client).await.expect("state");
-        trellara_relay::apply::Applier::new(client, "k", "src", "trellara.yml")
+        trellara_relay::apply::Applier::new(client, "k", "orders-primary", "trellara.yml")
     });
     let feed = Feed::new(topic.clone(), "applier-k").expect("feed");
     let hooks = trellara_relay::crash::NoCrash;

@@ -792,7 +792,8 @@ fn run_with_native_capture_converges() {
         // The relay acknowledged it, but whether the worker confirmed that
         // before it was stopped is timing: confirm it here, as it would be.
         source.psql("SELECT pg_replication_slot_advance('trellara_main', pg_current_wal_lsn())");
-        std::fs::remove_dir_all(dir.path().join(".trellara/log")).expect("lose the log");
+        std::fs::remove_dir_all(dir.path().join(".trellara/trellara/main/log"))
+            .expect("lose the log");
         let gap = run();
         let err = String::from_utf8_lossy(&gap.stderr);
         assert_eq!(gap.status.code(), Some(1), "{err}");
@@ -807,8 +808,8 @@ fn run_with_native_capture_converges() {
     });
 }
 
-/// `trellara relay --config` serves a native flow: the socket is
-/// `<log_dir>.sock` next to the flow's log, under the same safety rules;
+/// `trellara relay --config` serves a native flow (the socket is
+/// `<log_dir>.sock` next to the flow's log) only after preflight's checks;
 /// an external flow is refused with the reason.
 #[test]
 fn relay_config_mode_uses_the_flow() {
@@ -831,9 +832,11 @@ fn relay_config_mode_uses_the_flow() {
         assert!(!out.status.success());
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
+    // Preflight's checks come first: an unreachable source refuses the
+    // flow before any socket or log is made.
     let native = run("native");
     assert!(
-        native.contains("writable by group or others") && native.contains("open"),
+        native.contains("connect to the source database") && !dir.path().join("open/log").exists(),
         "{native}"
     );
     let external = run("external");

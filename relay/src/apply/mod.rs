@@ -58,6 +58,16 @@ pub enum ApplyError {
     /// Only the simulator's crash hooks produce this.
     #[error("simulated crash at {0:?}")]
     Crashed(CrashPoint),
+    #[error(
+        "flow {flow}: the record at log offset {offset} comes from source {found:?}, not from this flow's source {expected:?}; nothing of it was applied\nhint: the log or topic is shared with another flow: give each flow its own transport.log_dir (and topic), then `trellara reseed --config {config}`"
+    )]
+    Foreign {
+        flow: String,
+        offset: u64,
+        found: String,
+        expected: String,
+        config: String,
+    },
 }
 
 /// A target that failed for reasons unrelated to the data.
@@ -362,6 +372,7 @@ enum ChunkStep {
 fn next_transaction<D: RecordReader>(
     reader: &mut D,
     pending: &mut Option<crate::log::Record>,
+    owner: &Owner<'_>,
 ) -> Result<Next, ApplyError> {
     let mut envelopes: Vec<Envelope> = Vec::new();
     loop {
@@ -383,6 +394,7 @@ fn next_transaction<D: RecordReader>(
                 )));
             }
         };
+        owner.check(&env, record.offset)?;
         let boundary = env.boundary.clone().unwrap_or_default();
         let continues = envelopes.first().is_some_and(|first| {
             first.commit_lsn == env.commit_lsn && boundary.chunk_index as usize == envelopes.len()
@@ -413,6 +425,30 @@ fn next_transaction<D: RecordReader>(
                 rows,
             }));
         }
+    }
+}
+
+/// Whose records an applier applies: every envelope must carry its flow's
+/// source id, or it stops before applying any of it.
+struct Owner<'a> {
+    flow: &'a str,
+    source_id: &'a str,
+    config_path: &'a str,
+}
+
+impl Owner<'_> {
+    fn check(&self, env: &Envelope, offset: u64) -> Result<(), ApplyError> {
+        let found = env.source.as_ref().map_or("", |s| s.source_id.as_str());
+        if found == self.source_id {
+            return Ok(());
+        }
+        Err(ApplyError::Foreign {
+            flow: self.flow.to_owned(),
+            offset,
+            found: found.to_owned(),
+            expected: self.source_id.to_owned(),
+            config: self.config_path.to_owned(),
+        })
     }
 }
 
@@ -750,7 +786,12 @@ impl<T: Target> Applier<T> {
             let mut end = false;
             let mut chunked = None;
             while batch.len() < BATCH_TRANSACTIONS && rows < BATCH_ROWS {
-                match next_transaction(&mut reader, &mut pending)? {
+                let owner = Owner {
+                    flow: &self.flow,
+                    source_id: &self.source_id,
+                    config_path: &self.config_path,
+                };
+                match next_transaction(&mut reader, &mut pending, &owner)? {
                     Next::Txn(txn) => {
                         rows += txn.rows;
                         batch.push(txn);
@@ -1341,6 +1382,40 @@ mod tests {
         envelope::encode(&sample::chunk(commit, index, count)).expect("valid chunk")
     }
 
+    /// The samples' source.
+    const OWNER: Owner<'static> = Owner {
+        flow: "sales",
+        source_id: "orders-primary",
+        config_path: "trellara.yml",
+    };
+
+    #[test]
+    fn a_record_of_another_source_is_refused_before_it_is_applied() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("open");
+        let mut foreign = sample::chunk(0x5000_0000, 0, 1);
+        if let Some(source) = foreign.source.as_mut() {
+            source.source_id = "another-primary".into();
+        }
+        log.append(0x4000_0000, &chunk(0x4000_0000, 0, 1))
+            .expect("append");
+        log.append(0x5000_0000, &envelope::encode(&foreign).expect("valid"))
+            .expect("append");
+        let mut reader = log.read_from(0).expect("reader");
+        let mut pending = None;
+        assert!(matches!(
+            next_transaction(&mut reader, &mut pending, &OWNER).expect("read"),
+            Next::Txn(_)
+        ));
+        let err = next_transaction(&mut reader, &mut pending, &OWNER)
+            .err()
+            .expect("another source's record");
+        assert!(
+            matches!(&err, ApplyError::Foreign { offset: 1, found, .. } if found == "another-primary"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn chunked_transactions_are_handed_over_at_their_first_chunk() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -1364,14 +1439,15 @@ mod tests {
         // A chunked transaction is handed over at its first chunk, to be
         // applied one chunk at a time (apply_chunked restarts on a cut run).
         let Next::Chunked(first, record) =
-            next_transaction(&mut reader, &mut pending).expect("read")
+            next_transaction(&mut reader, &mut pending, &OWNER).expect("read")
         else {
             panic!("X starts chunked")
         };
         assert_eq!((first.commit_lsn, record.offset), (x, 0));
         // A middle-of-run chunk without its start is skipped.
         let mut reader = log.read_from(1).expect("reader");
-        let Next::Chunked(_, record) = next_transaction(&mut reader, &mut pending).expect("read")
+        let Next::Chunked(_, record) =
+            next_transaction(&mut reader, &mut pending, &OWNER).expect("read")
         else {
             panic!("the whole X")
         };
@@ -1380,12 +1456,13 @@ mod tests {
             "offset 1 (chunk 1 without chunk 0) skipped"
         );
         let mut reader = log.read_from(5).expect("reader");
-        let Next::Txn(second) = next_transaction(&mut reader, &mut pending).expect("read") else {
+        let Next::Txn(second) = next_transaction(&mut reader, &mut pending, &OWNER).expect("read")
+        else {
             panic!("Y")
         };
         assert_eq!((second.commit_lsn, second.envelopes.len()), (y, 1));
         assert!(matches!(
-            next_transaction(&mut reader, &mut pending).expect("read"),
+            next_transaction(&mut reader, &mut pending, &OWNER).expect("read"),
             Next::End
         ));
 
@@ -1395,7 +1472,7 @@ mod tests {
             .expect("append");
         let mut reader = log.read_from(6).expect("reader");
         assert!(matches!(
-            next_transaction(&mut reader, &mut pending).expect("read"),
+            next_transaction(&mut reader, &mut pending, &OWNER).expect("read"),
             Next::Chunked(..)
         ));
     }

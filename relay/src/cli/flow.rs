@@ -181,7 +181,18 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
                 CaptureArg::External => CapturePath::External,
                 CaptureArg::Native => CapturePath::Native,
             },
-            transport: Transport::default(),
+            // Each config's flow its own log, so two configs written in
+            // one directory never share one.
+            transport: Transport::Local {
+                log_dir: PathBuf::from(format!(
+                    "./.trellara/{}/{}/log",
+                    args.output
+                        .file_stem()
+                        .map_or("trellara".into(), |s| s.to_string_lossy()),
+                    args.flow
+                )),
+                retention_mib: config::DEFAULT_RETENTION_MIB,
+            },
         }],
     };
     let issues = config::validate(&config);
@@ -190,9 +201,10 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
         anyhow::bail!("the config would be invalid:\n{}", list.join("\n"));
     }
     let yaml = serde_yaml_ng::to_string(&config).context("serialize config")?;
-    std::fs::write(
+    // It may hold inline URLs with passwords: owner-only.
+    trellara_common::owner_only::write(
         &args.output,
-        format!("# trellara.yml, schema v2: see docs/CONFIG.md\n{yaml}"),
+        format!("# trellara.yml, schema v2: see docs/CONFIG.md\n{yaml}").as_bytes(),
     )
     .with_context(|| format!("write {}", args.output.display()))?;
     println!(
@@ -434,7 +446,7 @@ fn could_not_verify(check: impl FnOnce() -> anyhow::Result<ExitCode>) -> anyhow:
         Ok(code) => Ok(code),
         Err(err) => {
             eprintln!("error: {}", super::chain(&err));
-            Ok(ExitCode::from(EXIT_ERROR))
+            Ok(ExitCode::from(super::exit_status(&err, EXIT_ERROR)))
         }
     }
 }
@@ -460,6 +472,7 @@ fn verify_flows(
                 let (source_url, target_url) = flow::urls(f, index)?;
                 let source = flow::connect(&source_url, "source").await?;
                 let target = flow::connect(&target_url, "target").await?;
+                flow::refuse_same_database(&source, &target, config_path).await?;
                 crate::state::ensure(&target).await?;
                 anyhow::Ok(
                     verify::verify(f, &source, &target, table, config_path, chunk_rows).await?,
@@ -611,18 +624,18 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
             let found = rt
                 .block_on(async {
                     let (source_url, target_url) = flow::urls(f, index)?;
-                    let mut options: trellara_check::ConnectOptions = source_url.parse()?;
-                    options.replication = false;
-                    options.application_name = "trellara-check".into();
-                    let request = trellara_check::Request {
-                        tables: f.tables.clone(),
-                        sample: Duration::from_secs(1),
-                    };
-                    let report = trellara_check::assess(&options, &request).await?;
                     let source = flow::connect(&source_url, "source").await?;
                     let target = flow::connect(&target_url, "target").await?;
-                    let targets = crate::preflight::target(f, &source, &target).await?;
-                    anyhow::Ok((report, targets))
+                    anyhow::Ok(
+                        crate::preflight::assess(
+                            f,
+                            &source_url,
+                            &source,
+                            &target,
+                            Duration::from_secs(1),
+                        )
+                        .await?,
+                    )
                 })
                 .with_context(|| format!("preflight flow {}", f.name))?;
             findings.push((f.name.clone(), found));
@@ -636,18 +649,18 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_ERROR));
         }
     };
-    let blocked = findings.iter().any(|(_, (report, targets))| {
-        report.verdict() != trellara_check::Verdict::Ready || targets.iter().any(|f| f.blocking)
-    });
+    let blocked = findings.iter().any(|(_, a)| a.blocked());
     match args.format {
         Format::Json => {
             let flows: Vec<_> = findings
                 .iter()
-                .map(|(n, (report, targets))| {
+                .map(|(n, a)| {
                     json!({
                         "flow": n,
-                        "source": serde_json::from_str::<serde_json::Value>(&trellara_check::render_json(report)).unwrap_or_default(),
-                        "target": targets,
+                        "ready": !a.blocked(),
+                        "blockers": a.blockers(),
+                        "source": serde_json::from_str::<serde_json::Value>(&trellara_check::render_json(&a.source)).unwrap_or_default(),
+                        "target": a.flow,
                     })
                 })
                 .collect();
@@ -657,16 +670,22 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
             );
         }
         Format::Text => {
-            for (name, (report, list)) in &findings {
+            for (name, a) in &findings {
                 println!("flow {name}: source (read-only grade)");
-                for line in trellara_check::render_text(report).lines() {
+                for line in trellara_check::render_text(&a.source).lines() {
                     println!("  {line}");
                 }
-                println!("flow {name}: target");
-                for f in list {
+                if a.has_slot {
                     println!(
-                        "  {} {:<32} {}",
+                        "  the flow's slot exists: a full max_replication_slots does not block it"
+                    );
+                }
+                println!("flow {name}: target and flow");
+                for f in &a.flow {
+                    println!(
+                        "  {} {:<6} {:<26} {}",
                         if f.ok { "ok  " } else { "FAIL" },
+                        f.side,
                         f.check,
                         f.detail
                     );
@@ -710,11 +729,6 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
     let text = args.format == Format::Text;
     let mut reports = Vec::new();
     for (index, f) in flows(&config, args.flow.as_deref())? {
-        rt.block_on(flow::request_reseed(
-            f,
-            index,
-            "reseed requested by the operator",
-        ))?;
         // JSON on stdout is the report alone; progress goes to stderr.
         let mut progress = |line: &str| {
             if text {
@@ -723,6 +737,14 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
                 eprintln!("[{}] {line}", f.name);
             }
         };
+        rt.block_on(flow::request_reseed(
+            f,
+            index,
+            "reseed requested by the operator",
+            &config_path,
+            &mut progress,
+        ))
+        .with_context(|| format!("reseed flow {}", f.name))?;
         reports.push(
             rt.block_on(flow::run_once(f, index, &config_path, false, &mut progress))
                 .with_context(|| format!("reseed flow {}", f.name))?,

@@ -1,7 +1,8 @@
 //! The `trellara` command line: one file per subcommand. Commands whose
 //! feature has not landed say so and name the issue, instead of pretending.
 //!
-//! Exit status: 0 success, 1 error, 2 bad usage (clap).
+//! Exit status: 0 success, 1 error, 2 bad usage (clap), 3 refused by
+//! preflight's checks before anything was created or changed.
 
 mod chaos;
 mod flow;
@@ -122,6 +123,21 @@ pub fn chain(err: &anyhow::Error) -> String {
     }
     line
 }
+
+/// Exit status of a command that failed with `err`: 3 when preflight's
+/// checks refused it (nothing was created or changed), else `otherwise`.
+pub fn exit_status(err: &anyhow::Error, otherwise: u8) -> u8 {
+    let blocked = err.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<crate::flow::FlowError>(),
+            Some(crate::flow::FlowError::Blocked { .. })
+        )
+    });
+    if blocked { EXIT_BLOCKED } else { otherwise }
+}
+
+/// Refused by preflight's checks (docs/CLI.md).
+pub const EXIT_BLOCKED: u8 = 3;
 
 pub fn init_tracing(verbose: u8) {
     let default = match verbose {

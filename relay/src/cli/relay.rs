@@ -96,6 +96,29 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             .log_dir()
             .ok_or_else(|| anyhow::anyhow!("flow {} has no local log_dir", flow.name))?;
         let log_dir = std::path::absolute(log_dir).context("resolve log_dir")?;
+        let index = config
+            .flows
+            .iter()
+            .position(|f| f.name == flow.name)
+            .unwrap_or_default();
+        // Preflight's checks first: the worker on the source only starts
+        // once a run or the operator sets it up, but nothing is served for
+        // a flow they would refuse.
+        let owner = runtime.block_on(async {
+            let (source_url, target_url) = crate::flow::urls(flow, index)?;
+            let source = crate::flow::connect(&source_url, "source").await?;
+            let target = crate::flow::connect(&target_url, "target").await?;
+            crate::flow::gate(
+                flow,
+                &source_url,
+                &source,
+                &target,
+                &path.display().to_string(),
+                &mut |line| eprintln!("[{}] {line}", flow.name),
+            )
+            .await?;
+            crate::flow::log_owner(flow, &source).await
+        })?;
         let config = NativeConfig {
             socket_path: log_dir.with_extension("sock"),
             log_dir,
@@ -104,6 +127,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             progress: None,
             begun: None,
             floor: trellara_common::Lsn::ZERO,
+            owner: Some(owner),
         };
         return serve_native(&runtime, config);
     }
@@ -118,6 +142,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             progress: None,
             begun: None,
             floor: trellara_common::Lsn::ZERO,
+            owner: None,
         };
         return serve_native(&runtime, config);
     }

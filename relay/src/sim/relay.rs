@@ -123,6 +123,7 @@ pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, Stri
         progress: None,
         begun: None,
         floor: trellara_common::Lsn::ZERO,
+        owner: None,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()

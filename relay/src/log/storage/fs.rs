@@ -4,7 +4,7 @@
 //! `libs/utils/src/crashsafe.rs`): `fdatasync` for appended data, `fsync` of
 //! the parent directory after a create, rename or remove.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -53,7 +53,7 @@ impl Storage for FsStorage {
     }
 
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
-        fs::create_dir_all(dir)?;
+        trellara_common::owner_only::create_dir_all(dir)?;
         // The new directory's own entry lives in its parent.
         if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
             self.sync_dir(parent)?;
@@ -62,7 +62,8 @@ impl Storage for FsStorage {
     }
 
     fn open(&self, path: &Path, mode: OpenMode) -> io::Result<FsFile> {
-        let mut options = OpenOptions::new();
+        // Records are row data: owner-only whatever the umask.
+        let mut options = trellara_common::owner_only::options();
         options.read(true).write(true);
         match mode {
             OpenMode::Existing => {}

@@ -1,0 +1,321 @@
+//! Source and target safety on every major (issue 18): each write command
+//! refuses a flow that preflight's checks block, with exit 3 and the fix,
+//! before it creates or changes anything on either side.
+//!
+//! - a target that is the source database itself, reached by other URL
+//!   text (a Unix socket instead of TCP) as a role that is not a superuser;
+//! - a table without a key or replica identity, whose UPDATE and DELETE on
+//!   the source would fail once it was published;
+//! - a log directory of another flow and source.
+//!
+//! What trellara writes (config, log, cursors, lock) is owner-only
+//! whatever the umask.
+//!
+//! "Nothing changed" is a footprint of each database taken before and
+//! after: slots, publications and their tables, the trellara schema, and
+//! the contents of every user table.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use trellara_tests::{Cluster, ClusterOptions, Major, test_cluster};
+
+const TABLES: &str = "
+CREATE TABLE public.orders (id bigint PRIMARY KEY, note text);
+CREATE TABLE public.nokey (a int, b text);
+INSERT INTO public.orders SELECT g, 'o' || g FROM generate_series(1, 20) g;
+INSERT INTO public.nokey SELECT g, 'n' || g FROM generate_series(1, 5) g;
+";
+
+fn trellara(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("run trellara")
+}
+
+/// Stdout and stderr of a command that must exit with `code`.
+fn exits(out: &Output, code: i32, what: &str) -> String {
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(code), "{what}:\n{text}");
+    text
+}
+
+/// Everything a flow could create or change in database `db`.
+fn footprint(cluster: &Cluster, db: &str) -> String {
+    let mut client = cluster.try_connect(db).expect("connect");
+    let row = client
+        .query_one(
+            "SELECT coalesce((SELECT string_agg(slot_name || '@' || coalesce(database, ''), ',' ORDER BY slot_name) FROM pg_replication_slots), ''),
+                    coalesce((SELECT string_agg(pubname || ':' || tablename, ',' ORDER BY pubname, tablename) FROM pg_publication_tables), ''),
+                    coalesce((SELECT string_agg(pubname, ',' ORDER BY pubname) FROM pg_publication), ''),
+                    (SELECT count(*) FROM pg_namespace WHERE nspname = 'trellara'),
+                    coalesce((SELECT md5(string_agg(o::text, ',' ORDER BY id)) FROM public.orders o), ''),
+                    coalesce((SELECT md5(string_agg(n::text, ',' ORDER BY a)) FROM public.nokey n), '')",
+            &[],
+        )
+        .expect("footprint");
+    format!(
+        "slots [{}] published [{}] publications [{}] trellara schemas {} orders {} nokey {}",
+        row.get::<_, String>(0),
+        row.get::<_, String>(1),
+        row.get::<_, String>(2),
+        row.get::<_, i64>(3),
+        row.get::<_, String>(4),
+        row.get::<_, String>(5)
+    )
+}
+
+fn config(flow: &str, source: &str, target: &str, tables: &[&str], log_dir: &str) -> String {
+    format!(
+        "schema_version: 2\nenvironment: evaluation\nflows:\n  - name: {flow}\n    source:\n      url: {source}\n    target:\n      url: {target}\n    tables: [{}]\n    transport:\n      kind: local\n      log_dir: {log_dir}\n",
+        tables.join(", ")
+    )
+}
+
+#[test]
+fn hostile_flows_are_refused_before_anything_changes_pg15() {
+    hostile_flows(Major::Pg15);
+}
+
+#[test]
+fn hostile_flows_are_refused_before_anything_changes_pg16() {
+    hostile_flows(Major::Pg16);
+}
+
+#[test]
+fn hostile_flows_are_refused_before_anything_changes_pg17() {
+    hostile_flows(Major::Pg17);
+}
+
+#[test]
+fn hostile_flows_are_refused_before_anything_changes_pg18() {
+    hostile_flows(Major::Pg18);
+}
+
+/// Every directory under `root` is 0700 and every file 0600.
+fn owner_only(root: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut seen = 0;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read dir") {
+            let path = entry.expect("entry").path();
+            let meta = std::fs::symlink_metadata(&path).expect("stat");
+            let mode = meta.permissions().mode() & 0o777;
+            if meta.is_dir() {
+                assert_eq!(mode, 0o700, "{}", path.display());
+                stack.push(path);
+            } else if meta.is_file() {
+                assert_eq!(mode, 0o600, "{}", path.display());
+            }
+            seen += 1;
+        }
+    }
+    assert!(seen > 3, "files under {}", root.display());
+}
+
+fn hostile_flows(major: Major) {
+    let Some(c) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    // Whatever the umask, what trellara writes is its owner's alone.
+    nix::sys::stat::umask(nix::sys::stat::Mode::empty());
+    for db in ["src", "tgt", "src2", "tgt2"] {
+        c.psql(&format!("CREATE DATABASE {db}"));
+        let mut client = c.try_connect(db).expect("connect");
+        client.batch_execute(TABLES).expect("tables");
+    }
+    // A target role that is no superuser and may only use its own tables.
+    c.psql("CREATE ROLE app LOGIN");
+    for db in ["src", "tgt"] {
+        let mut client = c.try_connect(db).expect("connect");
+        client
+            .batch_execute(&format!(
+                "GRANT ALL ON ALL TABLES IN SCHEMA public TO app; GRANT CREATE ON DATABASE {db} TO app"
+            ))
+            .expect("grant");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let tcp = |db: &str| c.connection_string(db);
+    let socket = |user: &str, db: &str| {
+        format!(
+            "postgresql://{user}@/{db}?host={}&port={}",
+            c.socket_dir().display(),
+            c.port()
+        )
+    };
+    let before: Vec<String> = ["src", "tgt", "src2", "tgt2"]
+        .iter()
+        .map(|db| footprint(&c, db))
+        .collect();
+    let unchanged = |what: &str| {
+        for (db, was) in ["src", "tgt", "src2", "tgt2"].iter().zip(&before) {
+            assert_eq!(&footprint(&c, db), was, "{what} changed database {db}");
+        }
+    };
+
+    // The source database itself as the target, over its socket, as app.
+    std::fs::write(
+        d.join("same.yml"),
+        config(
+            "same",
+            &tcp("src"),
+            &socket("app", "src"),
+            &["public.orders"],
+            "./.trellara/same/log",
+        ),
+    )
+    .expect("write");
+    for args in [
+        &["preflight", "--config", "same.yml"][..],
+        &["run", "--config", "same.yml", "--local"],
+        &["reseed", "--config", "same.yml"],
+        &["verify", "--config", "same.yml"],
+    ] {
+        let text = exits(&trellara(d, args), 3, &args.join(" "));
+        assert!(text.contains("is the source database itself"), "{text}");
+        assert!(text.contains("another database"), "names the fix: {text}");
+        unchanged(args[0]);
+    }
+    assert!(!d.join(".trellara/same/log").exists(), "no log was made");
+
+    // A table whose UPDATE and DELETE would fail on the source once published.
+    std::fs::write(
+        d.join("nokey.yml"),
+        config(
+            "nokey",
+            &tcp("src"),
+            &tcp("tgt"),
+            &["public.orders", "public.nokey"],
+            "./.trellara/nokey/log",
+        ),
+    )
+    .expect("write");
+    for args in [
+        &["run", "--config", "nokey.yml", "--local"][..],
+        &["reseed", "--config", "nokey.yml"],
+    ] {
+        let text = exits(&trellara(d, args), 3, &args.join(" "));
+        assert!(
+            text.contains("C06")
+                && text.contains("public.nokey")
+                && text.contains("REPLICA IDENTITY"),
+            "{text}"
+        );
+        unchanged(args[0]);
+    }
+    let mut app = c.try_connect("src").expect("connect");
+    app.batch_execute(
+        "UPDATE public.nokey SET b = b || '!' WHERE a = 1; DELETE FROM public.nokey WHERE a = 2",
+    )
+    .expect("the source's own UPDATE and DELETE still work");
+    app.batch_execute(
+        "UPDATE public.nokey SET b = 'n1' WHERE a = 1; INSERT INTO public.nokey VALUES (2, 'n2')",
+    )
+    .expect("put back");
+
+    // A flow on another database of this cluster is fine (the nonce
+    // session is seen, but in another database), and owns its log.
+    std::fs::write(
+        d.join("one.yml"),
+        config(
+            "one",
+            &tcp("src"),
+            &socket("app", "tgt"),
+            &["public.orders"],
+            "./.trellara/shared/log",
+        ),
+    )
+    .expect("write");
+    let text = exits(
+        &trellara(d, &["run", "--config", "one.yml", "--local", "--verify"]),
+        0,
+        "a flow into another database",
+    );
+    assert!(text.contains("one CONVERGED"), "{text}");
+    let owner = std::fs::read_to_string(d.join(".trellara/shared/log/meta/owner")).expect("owner");
+    assert!(owner.contains("\"flow\": \"one\""), "{owner}");
+    owner_only(&d.join(".trellara"));
+
+    // Another flow, from another source database, pointed at that log.
+    let src2_before = footprint(&c, "src2");
+    let tgt2_before = footprint(&c, "tgt2");
+    std::fs::write(
+        d.join("two.yml"),
+        config(
+            "two",
+            &tcp("src2"),
+            &tcp("tgt2"),
+            &["public.orders"],
+            "./.trellara/shared/log",
+        ),
+    )
+    .expect("write");
+    for args in [
+        &["run", "--config", "two.yml", "--local"][..],
+        &["preflight", "--config", "two.yml"],
+    ] {
+        let text = exits(&trellara(d, args), 3, &args.join(" "));
+        assert!(text.contains("belongs to flow one"), "{text}");
+        assert_eq!(footprint(&c, "src2"), src2_before);
+        assert_eq!(footprint(&c, "tgt2"), tgt2_before);
+    }
+    // The first flow's log is whole and still its own.
+    c.try_connect("src")
+        .expect("connect")
+        .batch_execute("INSERT INTO public.orders VALUES (21, 'o21')")
+        .expect("write");
+    let text = exits(
+        &trellara(d, &["run", "--config", "one.yml", "--local", "--verify"]),
+        0,
+        "the first flow again",
+    );
+    assert!(text.contains("one CONVERGED"), "{text}");
+}
+
+/// `init` gives each config's flow its own log directory, so two configs
+/// written in one directory never share one.
+#[test]
+fn init_gives_each_config_its_own_log() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    nix::sys::stat::umask(nix::sys::stat::Mode::empty());
+    let mut dirs = Vec::new();
+    for name in ["a.yml", "b.yml"] {
+        let out = trellara(
+            dir.path(),
+            &[
+                "init",
+                "--source-database-url",
+                "postgresql://u@127.0.0.1:1/s",
+                "--target-database-url",
+                "postgresql://u@127.0.0.1:1/t",
+                "--table",
+                "public.orders",
+                "--evaluate",
+                "--output",
+                name,
+            ],
+        );
+        exits(&out, 0, "init");
+        let mode = std::fs::metadata(dir.path().join(name))
+            .expect("stat")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "the config may hold passwords");
+        let text = std::fs::read_to_string(dir.path().join(name)).expect("read");
+        let line = text
+            .lines()
+            .find(|l| l.contains("log_dir"))
+            .expect("a log_dir")
+            .to_owned();
+        dirs.push(line);
+    }
+    assert_ne!(dirs[0], dirs[1]);
+}
