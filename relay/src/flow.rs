@@ -84,6 +84,8 @@ pub enum FlowError {
     },
     #[error(transparent)]
     Identity(#[from] crate::identity::IdentityError),
+    #[error(transparent)]
+    Horizon(#[from] crate::horizon::HorizonError),
     #[error("log directory {path}: {source}")]
     LogDir {
         path: String,
@@ -557,16 +559,9 @@ pub async fn run_watched<W: Watch>(
         }
     }
 
-    // Capture until everything committed before now is durable.
-    let goal: String = source
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await
-        .map_err(source_failed)?
-        .get::<_, String>(0);
-    let goal: Lsn = goal.parse().map_err(|_| FlowError::BadLsn {
-        what: "the source's pg_current_wal_lsn()".into(),
-        text: goal.clone(),
-    })?;
+    // Capture until everything committed before now is durable, however
+    // it was committed (crate::horizon).
+    let goal = crate::horizon::last_record_end(&source).await?;
     let floor: Lsn = match target
         .query_opt(
             "SELECT end_lsn::text FROM trellara.checkpoints WHERE flow = $1",

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod crash;
 pub mod flow;
+pub mod horizon;
 pub mod identity;
 pub mod kafka;
 pub mod lock;

@@ -117,8 +117,9 @@ pub trait SnapshotIo: RunStore {
     async fn prepare_copy(&mut self, tables: &[String]) -> Result<Vec<String>, SnapshotError> {
         Ok(tables.to_vec())
     }
-    /// Copies `table` at `snapshot`, idempotently: emptying it, the rows
-    /// and the progress row commit in one target transaction.
+    /// Copies `table` at `snapshot`: its rows and its progress row, which
+    /// [`finish_copy`](SnapshotIo::finish_copy) commits with every other
+    /// table's (an implementation without it commits each copy alone).
     /// `progress` hears how far a long copy is, every few seconds.
     async fn copy_table(
         &mut self,
@@ -126,6 +127,15 @@ pub trait SnapshotIo: RunStore {
         snapshot: &str,
         progress: &mut dyn FnMut(&str),
     ) -> Result<u64, SnapshotError>;
+    /// Makes the copies of every table (and their emptying) visible
+    /// together; until then a failed copy leaves every target table as it
+    /// was. By default each copy committed on its own.
+    async fn finish_copy(&mut self) -> Result<(), SnapshotError> {
+        Ok(())
+    }
+    /// Undoes what [`prepare_copy`](SnapshotIo::prepare_copy) and the
+    /// copies did when one of them failed.
+    async fn abort_copy(&mut self) {}
     /// Ends the exported snapshot: every table holds its boundary.
     async fn release_snapshot(&mut self);
     /// Records the handoff: the flow's checkpoint at `checkpoint` (see
@@ -427,15 +437,23 @@ pub(crate) async fn run_machine<I: SnapshotIo>(
         consistent_lsn: slot.consistent,
         tables: Vec::new(),
     };
-    for table in &io.prepare_copy(tables).await? {
-        let started = Instant::now();
-        let rows = io.copy_table(table, &slot.snapshot, progress).await?;
-        progress(&format!(
-            "copied {table}: {rows} rows in {:.1}s",
-            started.elapsed().as_secs_f64()
-        ));
-        report.tables.push((table.clone(), rows));
-        crash(hooks, CrashPoint::TableCopied)?;
+    let copied = async {
+        for table in &io.prepare_copy(tables).await? {
+            let started = Instant::now();
+            let rows = io.copy_table(table, &slot.snapshot, progress).await?;
+            progress(&format!(
+                "copied {table}: {rows} rows in {:.1}s",
+                started.elapsed().as_secs_f64()
+            ));
+            report.tables.push((table.clone(), rows));
+            crash(hooks, CrashPoint::TableCopied)?;
+        }
+        io.finish_copy().await
+    }
+    .await;
+    if let Err(e) = copied {
+        io.abort_copy().await;
+        return Err(e);
     }
     io.release_snapshot().await;
     advance(io, SnapshotState::Copied, None).await?;
@@ -730,8 +748,12 @@ impl SnapshotIo for PgSnapshot<'_> {
             .iter()
             .filter_map(|t| split_table(t).map(|(s, n)| format!("\"{s}\".\"{n}\"")))
             .collect();
+        // Emptying and every copy in one target transaction: a copy that
+        // fails (or a signal) leaves every table as it was. No staging
+        // table swapped in: that would change the table's OID under its
+        // views, foreign keys and grants.
         target
-            .batch_execute(&format!("TRUNCATE {}", quoted.join(", ")))
+            .batch_execute(&format!("BEGIN; TRUNCATE {}", quoted.join(", ")))
             .await
             .map_err(|e| SnapshotError::Table {
                 table: order.join(", "),
@@ -766,6 +788,17 @@ impl SnapshotIo for PgSnapshot<'_> {
             },
             None => copy.await,
         }
+    }
+
+    async fn finish_copy(&mut self) -> Result<(), SnapshotError> {
+        self.target
+            .batch_execute("COMMIT")
+            .await
+            .map_err(SnapshotError::Target)
+    }
+
+    async fn abort_copy(&mut self) {
+        let _ = self.target.batch_execute("ROLLBACK").await;
     }
 
     async fn release_snapshot(&mut self) {
@@ -864,7 +897,8 @@ async fn fingerprint_at_snapshot(source: &Client, qualified: &str) -> Result<u64
     ))
 }
 
-/// Copies one table at the exported snapshot, idempotently.
+/// Copies one table at the exported snapshot, inside the target
+/// transaction [`SnapshotIo::prepare_copy`] opened.
 async fn copy_table(
     table: &str,
     snapshot: &str,
@@ -909,15 +943,8 @@ async fn copy_table(
         ))
         .await
         .map_err(SnapshotError::Source)?;
-    target
-        .batch_execute("BEGIN")
-        .await
-        .map_err(SnapshotError::Target)?;
+    // Inside the target transaction prepare_copy opened, after its TRUNCATE.
     let result = async {
-        target
-            .batch_execute(&format!("DELETE FROM {qualified}"))
-            .await
-            .map_err(|e| bad(format!("cannot be emptied on the target: {e}"), "create the table on the target with compatible columns"))?;
         let out = source
             .copy_out(&format!("COPY (SELECT {list} FROM {rows_of}) TO STDOUT"))
             .await
@@ -967,19 +994,7 @@ async fn copy_table(
     }
     .await;
     let _ = source.batch_execute("COMMIT").await;
-    match result {
-        Ok(rows) => {
-            target
-                .batch_execute("COMMIT")
-                .await
-                .map_err(SnapshotError::Target)?;
-            Ok(rows)
-        }
-        Err(e) => {
-            let _ = target.batch_execute("ROLLBACK").await;
-            Err(e)
-        }
-    }
+    result
 }
 
 #[cfg(test)]

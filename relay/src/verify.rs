@@ -108,6 +108,8 @@ pub enum VerifyError {
     BadTable(String),
     #[error("the flow's snapshot state on the target: {0}")]
     State(String),
+    #[error(transparent)]
+    Horizon(#[from] crate::horizon::HorizonError),
     #[error("compare {table} on the {side}: {message}\nhint: {hint}")]
     Table {
         table: String,
@@ -477,6 +479,11 @@ async fn verify_table(
 /// Rows per key-range chunk of the whole-table aggregate by default.
 pub const CHUNK_ROWS: u64 = 1_000_000;
 
+/// How long verify waits for the source to flush what was committed
+/// before it started (the walwriter flushes asynchronous commits within
+/// a few `wal_writer_delay`s).
+const FLUSH_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Runs every check for `flow` and records the verdict in the target.
 pub async fn verify(
     flow: &Flow,
@@ -503,6 +510,9 @@ pub async fn verify(
             other => VerifyError::State(other.to_string()),
         })?;
     let run = format!("trellara run --config {config_path}");
+    // Everything committed before verify started, however it was
+    // committed: the slot is peeked once it is flushed (crate::horizon).
+    let horizon = crate::horizon::last_record_end(source).await?;
     let mut divergences = Vec::new();
     let mut tables = Vec::new();
     for table in flow
@@ -625,6 +635,19 @@ pub async fn verify(
             });
         }
     }
+    // Decoding sees flushed WAL only: an asynchronous commit not flushed
+    // yet would be missed by the peek, and taken for a divergence.
+    let flushed = crate::horizon::flushed_through(source, horizon, FLUSH_PATIENCE).await?;
+    if !flushed {
+        divergences.push(Divergence {
+            code: "WATERMARK_UNVERIFIED",
+            detail: format!(
+                "the source did not flush its WAL through {horizon} within {} s, so the slot could not show every committed change",
+                FLUSH_PATIENCE.as_secs()
+            ),
+            recovery: "check the source's walwriter and disk (pg_stat_wal), then rerun verify".into(),
+        });
+    }
     // Peek with the slot's own plugin: pgoutput with the publication, or
     // the native plugin restricted to the flow's tables.
     let pending = match flow.capture {
@@ -718,8 +741,12 @@ pub async fn verify(
 
     let mut verdict = Verdict {
         flow: flow.name.clone(),
+        // Behind is lag, not a divergence: the rows cannot be judged
+        // until the target has caught up, and the fix is a run.
         result: if divergences.is_empty() {
             "CONVERGED"
+        } else if divergences.iter().any(|d| d.code == "WATERMARK_BEHIND") {
+            "WATERMARK_BEHIND"
         } else {
             "DIVERGED"
         },

@@ -277,6 +277,32 @@ fn hostile_flows(major: Major) {
         "the first flow again",
     );
     assert!(text.contains("one CONVERGED"), "{text}");
+
+    // A reseed whose copy fails after the checks passed (a target CHECK the
+    // source's rows break) leaves the target's table as it was.
+    let mut tgt = c.try_connect("tgt").expect("connect");
+    tgt.batch_execute("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (id <= 21)")
+        .expect("constraint");
+    c.try_connect("src")
+        .expect("connect")
+        .batch_execute("INSERT INTO public.orders VALUES (22, 'o22')")
+        .expect("write");
+    let kept = footprint(&c, "tgt");
+    let text = exits(
+        &trellara(d, &["reseed", "--config", "one.yml"]),
+        1,
+        "a reseed whose copy fails",
+    );
+    assert!(text.contains("small"), "names the constraint: {text}");
+    assert_eq!(footprint(&c, "tgt"), kept, "the target table is as it was");
+    tgt.batch_execute("ALTER TABLE public.orders DROP CONSTRAINT small")
+        .expect("drop constraint");
+    let text = exits(
+        &trellara(d, &["reseed", "--config", "one.yml", "--verify"]),
+        0,
+        "the reseed again",
+    );
+    assert!(text.contains("one CONVERGED"), "{text}");
 }
 
 /// `init` gives each config's flow its own log directory, so two configs
@@ -318,4 +344,84 @@ fn init_gives_each_config_its_own_log() {
         dirs.push(line);
     }
     assert_ne!(dirs[0], dirs[1]);
+}
+
+#[test]
+fn a_stopping_run_applies_asynchronous_commits_and_lag_is_behind_not_diverged() {
+    for major in Major::ALL {
+        eprintln!("on {major}");
+        asynchronous_commits(major);
+    }
+}
+
+/// Transactions committed with `synchronous_commit = off` (the walwriter
+/// slowed to 10 s, so they sit unflushed) are applied by the `run` that
+/// starts right after them; a target behind such commits is
+/// WATERMARK_BEHIND, never DIVERGED.
+fn asynchronous_commits(major: Major) {
+    let options = ClusterOptions::new().setting("wal_writer_delay", "10s");
+    let Some(source) = test_cluster(major, &options) else {
+        return;
+    };
+    let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    source.psql(TABLES);
+    target.psql(TABLES);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::write(
+        d.join("trellara.yml"),
+        config(
+            "lazy",
+            &source.connection_string("postgres"),
+            &target.connection_string("postgres"),
+            &["public.orders"],
+            "./.trellara/lazy/log",
+        ),
+    )
+    .expect("write");
+    exits(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        0,
+        "first run",
+    );
+    let lazy = |from: i64| {
+        let mut client = source.connect();
+        for id in from..from + 5 {
+            client
+                .batch_execute(&format!(
+                    "BEGIN; SET LOCAL synchronous_commit = off; INSERT INTO public.orders VALUES ({id}, 'lazy'); COMMIT"
+                ))
+                .expect("asynchronous commit");
+        }
+    };
+    lazy(100);
+    let text = exits(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        0,
+        "a run right after asynchronous commits",
+    );
+    assert!(text.contains("lazy CONVERGED"), "{text}");
+    assert_eq!(
+        target.psql_value("SELECT count(*) FROM public.orders WHERE note = 'lazy'"),
+        "5"
+    );
+    lazy(200);
+    let text = exits(
+        &trellara(d, &["verify", "--config", "trellara.yml"]),
+        1,
+        "verify behind asynchronous commits",
+    );
+    assert!(
+        text.contains("lazy WATERMARK_BEHIND") && !text.contains("DIVERGED"),
+        "{text}"
+    );
+    assert!(
+        text.contains("trellara run --config"),
+        "names the catch-up: {text}"
+    );
 }
