@@ -3,11 +3,12 @@
 //! Invariants:
 //! - No draft is written for a blocked or unassessed source: the refusal
 //!   names every critical finding.
-//! - The draft never holds a credential: the source URL is the reference
-//!   `env:TRELLARA_SOURCE_DATABASE_URL`.
-//! - The shape is the minimal subset of schema v2 (one flow, `capture:
-//!   external`, `transport: local`); the full schema comes with the config
-//!   issue.
+//! - The draft never holds a credential: the URLs are references to
+//!   `TRELLARA_SOURCE_DATABASE_URL` and `TRELLARA_TARGET_DATABASE_URL`
+//!   (`environment: production`).
+//! - It is a valid schema v2 config (`trellara check --config` passes it):
+//!   one flow over the assessed tables, `capture: external`, the local log.
+//!   Without a table there is no flow, so no draft.
 
 use crate::report::{Report, Verdict};
 use std::fmt::Write as _;
@@ -15,6 +16,8 @@ use std::path::Path;
 
 /// The environment variable the draft points the source at.
 pub const SOURCE_URL_ENV: &str = "TRELLARA_SOURCE_DATABASE_URL";
+/// The environment variable the draft points the target at.
+pub const TARGET_URL_ENV: &str = "TRELLARA_TARGET_DATABASE_URL";
 
 #[derive(Debug, thiserror::Error)]
 pub enum DraftError {
@@ -22,6 +25,10 @@ pub enum DraftError {
     Blocked(String),
     #[error("not writing a config: the source could not be fully assessed")]
     Unassessed,
+    #[error(
+        "not writing a config: a flow needs its tables\nhint: pass --table schema.name (repeat for more)"
+    )]
+    NoTables,
     #[error("could not write {path}")]
     Write {
         path: String,
@@ -46,41 +53,66 @@ pub fn draft(report: &Report, tables: &[String]) -> Result<String, DraftError> {
         }
         Verdict::Unassessed => return Err(DraftError::Unassessed),
     }
-    let db = &report.facts.server.database;
+    if tables.is_empty() {
+        return Err(DraftError::NoTables);
+    }
+    let flow = flow_name(&report.facts.server.database);
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "# trellara.yml draft written by trellara-check {} from {} (grade {}).",
+        "# trellara.yml draft written by trellara-check {} from {} (grade {}); see docs/CONFIG.md.",
         env!("CARGO_PKG_VERSION"),
         report.target,
         report.grade.letter
     );
     let _ = writeln!(
         out,
-        "# Minimal schema v2 subset; the full schema comes with the config issue. Review before use."
+        "# Export {SOURCE_URL_ENV} and {TARGET_URL_ENV}, then: trellara preflight --config <this file>"
     );
     let _ = writeln!(out, "schema_version: 2");
+    let _ = writeln!(out, "environment: production");
     let _ = writeln!(out, "flows:");
-    let _ = writeln!(out, "  - name: {}", yaml_scalar(&format!("{db}-capture")));
+    let _ = writeln!(out, "  - name: {flow}");
     let _ = writeln!(out, "    source:");
-    let _ = writeln!(out, "      url: env:{SOURCE_URL_ENV}");
-    if tables.is_empty() {
-        let _ = writeln!(out, "    tables: []  # add schema.name entries");
-    } else {
-        let _ = writeln!(out, "    tables:");
-        for t in tables {
-            let _ = writeln!(out, "      - {}", yaml_scalar(t.trim()));
-        }
+    let _ = writeln!(out, "      url_env: {SOURCE_URL_ENV}");
+    let _ = writeln!(out, "    target:");
+    let _ = writeln!(out, "      url_env: {TARGET_URL_ENV}");
+    let _ = writeln!(out, "    tables:");
+    for t in tables {
+        let _ = writeln!(out, "      - {}", yaml_scalar(t.trim()));
     }
     let _ = writeln!(out, "    capture: external");
-    let _ = writeln!(out, "    transport: local");
+    let _ = writeln!(out, "    transport:");
+    let _ = writeln!(out, "      kind: local");
+    let _ = writeln!(out, "      log_dir: ./.trellara/{flow}/log");
     Ok(out)
+}
+
+/// A flow name from a database name: 1-40 of `a-z 0-9 _ -`.
+fn flow_name(database: &str) -> String {
+    let mut name: String = database
+        .chars()
+        .map(|c| c.to_ascii_lowercase())
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(32)
+        .collect();
+    if name.is_empty() {
+        name.push_str("source");
+    }
+    name.push_str("-capture");
+    name
 }
 
 /// Writes the draft to `path` (see [`draft`]).
 pub fn write(report: &Report, tables: &[String], path: &Path) -> Result<(), DraftError> {
     let text = draft(report, tables)?;
-    std::fs::write(path, text).map_err(|source| DraftError::Write {
+    trellara_common::owner_only::write(path, text.as_bytes()).map_err(|source| DraftError::Write {
         path: path.display().to_string(),
         source,
     })

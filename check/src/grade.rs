@@ -271,6 +271,14 @@ pub const RULES: &[Rule] = &[
         "the role cannot CREATE in the database (creating a publication needs it)",
     ),
     rule(
+        "W19",
+        "prepared_transaction_open",
+        Warning,
+        5,
+        10,
+        "a prepared (two-phase) transaction is open: creating a slot waits until it ends",
+    ),
+    rule(
         "N01",
         "output_plugin_libraries_absent",
         Note,
@@ -392,6 +400,18 @@ pub fn evaluate(facts: &mut Facts) -> Evaluation {
                 Some(action),
             );
         }
+    }
+    for p in &facts.prepared_transactions {
+        let gid = p.gid.replace('\'', "''");
+        out.add(
+            "W19",
+            Some(format!("prepared transaction {}", p.gid)),
+            format!(
+                "transaction {} (gid {}, database {}) has been prepared since {}: creating a replication slot waits until it is committed or rolled back",
+                p.xid, p.gid, p.database, p.prepared
+            ),
+            Some(format!("COMMIT PREPARED '{gid}'; -- or ROLLBACK PREPARED '{gid}', as its owner decides")),
+        );
     }
     if v < 160_000 && standby {
         out.add(
@@ -1152,9 +1172,40 @@ mod tests {
                 deadlock: 0,
                 active_logicalslot: Some(0),
             }),
+            prepared_transactions: vec![],
             unknowns: vec![],
             statements: 20,
         }
+    }
+
+    #[test]
+    fn an_open_prepared_transaction_is_named_with_its_gid_and_fix() {
+        let mut f = healthy();
+        f.prepared_transactions
+            .push(crate::report::PreparedTransaction {
+                gid: "pay'42".into(),
+                xid: "731".into(),
+                prepared: "2026-12-01 10:00:00+00".into(),
+                database: "shop".into(),
+            });
+        let e = evaluate(&mut f);
+        let w = e.findings.iter().find(|x| x.rule == "W19").expect("W19");
+        assert!(
+            w.message.contains("transaction 731") && w.message.contains("pay'42"),
+            "{}",
+            w.message
+        );
+        assert_eq!(
+            w.action.as_deref(),
+            Some(
+                "COMMIT PREPARED 'pay''42'; -- or ROLLBACK PREPARED 'pay''42', as its owner decides"
+            )
+        );
+        assert_eq!(
+            e.verdict,
+            crate::report::Verdict::Ready,
+            "a warning, not a blocker"
+        );
     }
 
     fn slot(name: &str, state: SlotState, wal_status: &str) -> Slot {

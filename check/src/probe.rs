@@ -17,8 +17,8 @@
 
 use crate::CheckError;
 use crate::report::{
-    Conflicts, Facts, Identity, NamedSetting, Publication, RoleAccess, Server, Settings, Slot,
-    SlotState, TablePublication, TableReadiness, Tables, Unknown, Usage, Wal,
+    Conflicts, Facts, Identity, NamedSetting, PreparedTransaction, Publication, RoleAccess, Server,
+    Settings, Slot, SlotState, TablePublication, TableReadiness, Tables, Unknown, Usage, Wal,
 };
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -295,6 +295,7 @@ async fn gather_in_transaction(
     let publications_visible = publications.is_some();
     let publications = publications.unwrap_or_default();
     let conflicts = read_conflicts(s, version_num).await?;
+    let prepared_transactions = read_prepared(s).await?;
 
     // Close the sample window.
     let elapsed = started.elapsed();
@@ -354,8 +355,27 @@ async fn gather_in_transaction(
         slots_visible,
         wal,
         conflicts,
+        prepared_transactions,
         unknowns,
         statements: 0,
+    })
+}
+
+/// `pg_prepared_xacts` (readable by every role).
+async fn read_prepared(s: &mut Session) -> Result<Vec<PreparedTransaction>, CheckError> {
+    let sql = "SELECT gid, transaction::text AS xid, prepared::text AS prepared, database::text AS database \
+               FROM pg_prepared_xacts ORDER BY prepared";
+    Ok(match s.probe("prepared transactions", sql).await? {
+        Probe::Rows(rows) => rows
+            .iter()
+            .map(|r| PreparedTransaction {
+                gid: text(r, "gid").unwrap_or_default(),
+                xid: text(r, "xid").unwrap_or_default(),
+                prepared: text(r, "prepared").unwrap_or_default(),
+                database: text(r, "database").unwrap_or_default(),
+            })
+            .collect(),
+        Probe::Denied(_) => Vec::new(),
     })
 }
 

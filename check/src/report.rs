@@ -325,6 +325,15 @@ pub struct Failover {
     pub guidance: Vec<String>,
 }
 
+/// One row of `pg_prepared_xacts`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PreparedTransaction {
+    pub gid: String,
+    pub xid: String,
+    pub prepared: String,
+    pub database: String,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Conflicts {
     pub tablespace: i64,
@@ -373,6 +382,9 @@ pub struct Facts {
     pub slots_visible: bool,
     pub wal: Wal,
     pub conflicts: Option<Conflicts>,
+    /// Prepared (two-phase) transactions open on the server: creating a
+    /// slot waits until each has ended.
+    pub prepared_transactions: Vec<PreparedTransaction>,
     /// What could not be read, and the grant that would reveal it.
     pub unknowns: Vec<Unknown>,
     /// Statements the grader sent, in order (the audit trail of invariant 6).

@@ -119,11 +119,12 @@ fn binary_on_a_live_server() {
     let config = std::fs::read_to_string(&config_path).expect("config draft written");
     assert!(config.contains("schema_version: 2"), "{config}");
     assert!(
-        config.contains("url: env:TRELLARA_SOURCE_DATABASE_URL"),
+        config.contains("url_env: TRELLARA_SOURCE_DATABASE_URL")
+            && config.contains("url_env: TRELLARA_TARGET_DATABASE_URL"),
         "{config}"
     );
     assert!(config.contains("      - public.items"), "{config}");
-    assert!(config.contains("capture: external") && config.contains("transport: local"));
+    assert!(config.contains("capture: external") && config.contains("kind: local"));
     assert!(!config.contains("sekret") && !config.contains("postgresql://"));
 
     // Blocked: exit 3, no config, the blocker named.

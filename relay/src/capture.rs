@@ -102,7 +102,7 @@ pub enum CaptureError {
         source: envelope::EnvelopeError,
     },
     #[error(
-        "replication slot {slot:?} does not exist on {target}\nhint: rerun with --create-slot, or create it: SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')"
+        "replication slot {slot:?} does not exist on {target}\nhint: for a flow, take a new snapshot and slot: `trellara reseed --config trellara.yml --flow <name>`; for `trellara relay` alone, pass --create-slot"
     )]
     NoSlot { slot: String, target: String },
     #[error(

@@ -58,7 +58,7 @@ pub enum FlowError {
     #[error(transparent)]
     NativeRelay(#[from] crate::native::NativeError),
     #[error(
-        "flow {flow}: {tables} joined the flow after its snapshot, so {it} never copied and cannot just be streamed\nhint: trellara reseed --config {config} (a new boundary; every table is copied again)"
+        "flow {flow}: {tables} joined the flow after its snapshot, so {it} never copied and cannot just be streamed\nhint: trellara reseed --config {config} --flow {flow} (a new boundary; every table is copied again)"
     )]
     TablesAdded {
         flow: String,
@@ -454,8 +454,86 @@ pub async fn run_once(
     run_watched(flow, index, config_path, options, progress).await
 }
 
-/// [`run_once`] with a deadline and a watcher beside capture and apply.
+/// [`run_once`] with a deadline and a watcher beside capture and apply. A
+/// stop that needs someone (schema drift, a lost slot, a record of another
+/// source) is recorded on the target for `status` and `repair plan`; a run
+/// that ends well clears it.
 pub async fn run_watched<W: Watch>(
+    flow: &Flow,
+    index: usize,
+    config_path: &str,
+    options: RunOptions<'_, W>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<RunReport, FlowError> {
+    let result = run_round(flow, index, config_path, options, progress).await;
+    if let Err(e) = &result
+        && let Some((kind, detail, commands)) = stop_of(e, flow, config_path)
+    {
+        // Best effort: the caller reports the stop itself either way.
+        let recorded = async {
+            let (_, target_url) = urls(flow, index)?;
+            let target = connect(&target_url, "target").await?;
+            if state::present(&target).await? {
+                state::record_stop(&target, &flow.name, kind, &detail, &commands).await?;
+            }
+            Ok::<(), FlowError>(())
+        };
+        if let Err(err) = recorded.await {
+            tracing::warn!(flow = %flow.name, error = %err, "could not record why the flow stopped");
+        }
+    }
+    result
+}
+
+/// The durable record of a stop that needs someone: (kind, detail,
+/// commands); `None` for a stop that a rerun may get past or that is
+/// recorded elsewhere (a quarantine, a refusal that changed nothing).
+fn stop_of(
+    e: &FlowError,
+    flow: &Flow,
+    config_path: &str,
+) -> Option<(&'static str, String, Vec<String>)> {
+    use trellara_external_relay::assembler::AssemblyError;
+    let reseed = format!(
+        "trellara reseed --config {config_path} --flow {}",
+        flow.name
+    );
+    let first_line =
+        |e: &dyn std::fmt::Display| e.to_string().lines().next().unwrap_or_default().to_owned();
+    match e {
+        FlowError::Capture(capture::CaptureError::Assembly(AssemblyError::SchemaDrift {
+            relation,
+            pinned,
+            found,
+        })) => Some((
+            "schema_drift",
+            format!(
+                "schema drift on {relation}: pinned fingerprint {pinned:#018x}, the source now sends {found:#018x}; capture stopped"
+            ),
+            vec![
+                format!("review the DDL on {relation} at the source"),
+                reseed,
+            ],
+        )),
+        FlowError::Capture(
+            err @ (capture::CaptureError::Invalidated { .. }
+            | capture::CaptureError::SlotAhead { .. }
+            | capture::CaptureError::NoSlot { .. }),
+        ) => Some(("slot", first_line(err), vec![reseed])),
+        FlowError::Apply(err @ ApplyError::Foreign { .. }) => Some((
+            "foreign_record",
+            first_line(err),
+            vec![
+                "give each flow its own transport.log_dir (and topic) in the config".into(),
+                reseed,
+            ],
+        )),
+        _ => None,
+    }
+}
+
+/// One round of [`run_watched`].
+async fn run_round<W: Watch>(
     flow: &Flow,
     index: usize,
     config_path: &str,
@@ -823,6 +901,7 @@ pub async fn run_watched<W: Watch>(
     report.envelopes_captured = stats.envelopes;
     report.capture_duplicates_skipped = stats.duplicates_skipped;
     report.caught_up_to = (!follow).then_some(goal);
+    state::clear_stop(target, &flow.name).await?;
     progress(&format!(
         "captured {} transactions; applied {} ({} rows), {} duplicates skipped",
         stats.envelopes,

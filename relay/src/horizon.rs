@@ -9,7 +9,7 @@
 //! header, which an idle server never flushes (nothing follows), so a run
 //! waiting for it would never end. The header is stepped back over; what
 //! is left is a record's end, which the walwriter flushes within
-//! `wal_writer_delay` of an asynchronous commit.
+//! three `wal_writer_delay`s of an asynchronous commit.
 
 use std::time::{Duration, Instant};
 use tokio_postgres::Client;
@@ -55,6 +55,21 @@ pub async fn last_record_end(source: &Client) -> Result<Lsn, HorizonError> {
         u64::try_from(block).unwrap_or(0),
         u64::try_from(segment).unwrap_or(0),
     ))
+}
+
+/// How long an asynchronous commit may stay unflushed on the source: the
+/// walwriter flushes it within three `wal_writer_delay`s; a second more
+/// for the round trips.
+pub async fn flush_patience(source: &Client) -> Result<Duration, HorizonError> {
+    let delay_ms: i64 = source
+        .query_one(
+            "SELECT setting::int8 FROM pg_settings WHERE name = 'wal_writer_delay'",
+            &[],
+        )
+        .await
+        .map_err(HorizonError::Query)?
+        .get(0);
+    Ok(Duration::from_millis(u64::try_from(delay_ms).unwrap_or(200) * 3) + Duration::from_secs(1))
 }
 
 /// Waits until the source has flushed its WAL through `end` (what logical

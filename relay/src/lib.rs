@@ -19,4 +19,5 @@ pub mod semantics;
 pub mod sim;
 pub mod snapshot;
 pub mod state;
+pub mod teardown;
 pub mod verify;

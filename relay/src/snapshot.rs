@@ -138,6 +138,12 @@ pub trait SnapshotIo: RunStore {
     async fn abort_copy(&mut self) {}
     /// Ends the exported snapshot: every table holds its boundary.
     async fn release_snapshot(&mut self);
+    /// Removes what this run created on the source (its slot, a publication
+    /// it created) after it failed before the handoff, so no slot is left
+    /// holding WAL for a flow that never streamed; says what it removed.
+    async fn undo_created(&mut self) -> Vec<String> {
+        Vec::new()
+    }
     /// Records the handoff: the flow's checkpoint at `checkpoint` (see
     /// [`handoff_checkpoint`]) for the boundary `consistent`, and the
     /// previous boundary's quarantine records superseded.
@@ -397,6 +403,8 @@ pub async fn run(
         target,
         repl: None,
         stop,
+        created_publication: false,
+        created_slot: false,
     };
     run_machine(&mut io, &flow.tables, progress, &NoCrash).await
 }
@@ -420,6 +428,27 @@ pub(crate) async fn run_machine<I: SnapshotIo>(
     if let Some(done) = io.ensure_publication().await? {
         progress(&done);
     }
+    match to_handoff(io, tables, progress, hooks).await {
+        Ok(report) => Ok(report),
+        // A crash leaves what it left (the next run finds it); a failure
+        // removes what the run created.
+        Err(e @ SnapshotError::Crashed(_)) => Err(e),
+        Err(e) => {
+            for removed in io.undo_created().await {
+                progress(&removed);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// [`run_machine`] from the slot to the handoff.
+async fn to_handoff<I: SnapshotIo>(
+    io: &mut I,
+    tables: &[String],
+    progress: &mut dyn FnMut(&str),
+    hooks: &dyn CrashHooks,
+) -> Result<SnapshotReport, SnapshotError> {
     let (slot, dropped) = io.create_slot().await?;
     if dropped {
         progress(&format!(
@@ -452,7 +481,11 @@ pub(crate) async fn run_machine<I: SnapshotIo>(
     }
     .await;
     if let Err(e) = copied {
-        io.abort_copy().await;
+        // A copy stopped by a signal was dropped mid-COPY: its session is
+        // closed with the process, which rolls the transaction back.
+        if !matches!(e, SnapshotError::Stopped) {
+            io.abort_copy().await;
+        }
         return Err(e);
     }
     io.release_snapshot().await;
@@ -474,6 +507,10 @@ pub struct PgSnapshot<'a> {
     /// The replication session whose exported snapshot the copy uses.
     repl: Option<Connection>,
     stop: Option<tokio::sync::watch::Receiver<bool>>,
+    /// What this run created on the source, removed again if it fails
+    /// before the handoff.
+    created_publication: bool,
+    created_slot: bool,
 }
 
 impl std::fmt::Debug for PgSnapshot<'_> {
@@ -625,11 +662,14 @@ impl SnapshotIo for PgSnapshot<'_> {
             .batch_execute(&format!(
                 // A partitioned table's changes then arrive under its own
                 // name, as the snapshot copied it, not under each partition's.
-                "CREATE PUBLICATION {publication} FOR TABLE {} WITH (publish_via_partition_root = true)",
-                tables.join(", ")
+                // The comment marks it as Trellara's: teardown drops only those.
+                "CREATE PUBLICATION {publication} FOR TABLE {} WITH (publish_via_partition_root = true); COMMENT ON PUBLICATION {publication} IS {}",
+                tables.join(", "),
+                crate::teardown::publication_marker_literal(&self.flow.name)
             ))
             .await
             .map_err(SnapshotError::Source)?;
+        self.created_publication = true;
         Ok(Some(format!("created publication {publication}")))
     }
 
@@ -669,6 +709,7 @@ impl SnapshotIo for PgSnapshot<'_> {
         let created = repl
             .create_logical_slot_for(&name, plugin, true, false)
             .await?;
+        self.created_slot = true;
         let snapshot = created
             .snapshot_name
             .clone()
@@ -803,6 +844,50 @@ impl SnapshotIo for PgSnapshot<'_> {
 
     async fn release_snapshot(&mut self) {
         self.repl = None;
+    }
+
+    async fn undo_created(&mut self) -> Vec<String> {
+        // The exported snapshot's session goes first: it may still be
+        // closing when the drop runs, which waits for it.
+        self.repl = None;
+        let mut removed = Vec::new();
+        // A session of its own: the copy's may still be inside its COPY.
+        let source = match crate::flow::connect(self.source_url, "source").await {
+            Ok(source) => source,
+            Err(e) => {
+                removed.push(format!(
+                    "could not remove what this run created on the source ({e})\nhint: trellara teardown --config ... removes it"
+                ));
+                return removed;
+            }
+        };
+        if self.created_slot {
+            let slot = self.flow.slot();
+            match crate::teardown::drop_slot(&source, &slot).await {
+                Ok(true) => removed.push(format!(
+                    "dropped slot {slot}, created by this run, which failed before its handoff"
+                )),
+                Ok(false) => {}
+                Err(e) => removed.push(format!(
+                    "could not drop slot {slot} that this run created: {e}\nhint: trellara teardown --config ... removes it"
+                )),
+            }
+        }
+        if self.created_publication {
+            let publication = self.flow.publication();
+            match source
+                .batch_execute(&format!("DROP PUBLICATION IF EXISTS {publication}"))
+                .await
+            {
+                Ok(()) => removed.push(format!(
+                    "dropped publication {publication}, created by this run"
+                )),
+                Err(e) => removed.push(format!(
+                    "could not drop publication {publication} that this run created: {e}"
+                )),
+            }
+        }
+        removed
     }
 
     async fn handoff(&mut self, checkpoint: Lsn, consistent: Lsn) -> Result<(), SnapshotError> {

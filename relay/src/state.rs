@@ -59,6 +59,15 @@ DO $$ BEGIN
         ALTER TABLE trellara.snapshot_tables ADD COLUMN fingerprint bigint;
     END IF;
 END $$;
+-- Why a flow's last run stopped when it needs someone (schema drift, a
+-- lost slot, a record of another source); cleared by a run that ends well.
+CREATE TABLE IF NOT EXISTS trellara.flow_stops (
+    flow text PRIMARY KEY,
+    kind text NOT NULL,
+    detail text NOT NULL,
+    commands text[] NOT NULL,
+    stopped_at timestamptz NOT NULL DEFAULT now()
+);
 CREATE TABLE IF NOT EXISTS trellara.verify_runs (
     flow text NOT NULL,
     verified_at timestamptz NOT NULL DEFAULT now(),
@@ -72,6 +81,66 @@ pub async fn ensure(client: &Client) -> Result<(), tokio_postgres::Error> {
     client.batch_execute(SCHEMA).await
 }
 
+/// Why a flow stopped, as [`record_stop`] wrote it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Stop {
+    pub kind: String,
+    pub detail: String,
+    pub commands: Vec<String>,
+    pub stopped_at: String,
+}
+
+/// Records why `flow` stopped (replacing an earlier record).
+pub async fn record_stop(
+    client: &Client,
+    flow: &str,
+    kind: &str,
+    detail: &str,
+    commands: &[String],
+) -> Result<(), tokio_postgres::Error> {
+    client
+        .execute(
+            "INSERT INTO trellara.flow_stops (flow, kind, detail, commands) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (flow) DO UPDATE SET kind = EXCLUDED.kind, detail = EXCLUDED.detail,
+                commands = EXCLUDED.commands, stopped_at = now()",
+            &[&flow, &kind, &detail, &commands],
+        )
+        .await
+        .map(drop)
+}
+
+/// Forgets a recorded stop: the flow ran again and ended well.
+pub async fn clear_stop(client: &Client, flow: &str) -> Result<(), tokio_postgres::Error> {
+    client
+        .execute("DELETE FROM trellara.flow_stops WHERE flow = $1", &[&flow])
+        .await
+        .map(drop)
+}
+
+/// The recorded stop of `flow`, if any (none on a target whose state
+/// tables predate the record).
+pub async fn stop(client: &Client, flow: &str) -> Result<Option<Stop>, tokio_postgres::Error> {
+    let exists: bool = client
+        .query_one("SELECT to_regclass('trellara.flow_stops') IS NOT NULL", &[])
+        .await?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    Ok(client
+        .query_opt(
+            "SELECT kind, detail, commands, stopped_at::text FROM trellara.flow_stops WHERE flow = $1",
+            &[&flow],
+        )
+        .await?
+        .map(|r| Stop {
+            kind: r.get(0),
+            detail: r.get(1),
+            commands: r.get(2),
+            stopped_at: r.get(3),
+        }))
+}
+
 /// Whether the target holds the state tables as [`ensure`] makes them:
 /// commands that only read (status, repair plan) create nothing.
 pub async fn present(client: &Client) -> Result<bool, tokio_postgres::Error> {
@@ -81,6 +150,7 @@ pub async fn present(client: &Client) -> Result<bool, tokio_postgres::Error> {
                 AND to_regclass('trellara.quarantine') IS NOT NULL
                 AND to_regclass('trellara.snapshot_runs') IS NOT NULL
                 AND to_regclass('trellara.verify_runs') IS NOT NULL
+                AND to_regclass('trellara.flow_stops') IS NOT NULL
                 AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('trellara.snapshot_tables')
                             AND attname = 'fingerprint' AND NOT attisdropped)",
             &[],

@@ -479,11 +479,6 @@ async fn verify_table(
 /// Rows per key-range chunk of the whole-table aggregate by default.
 pub const CHUNK_ROWS: u64 = 1_000_000;
 
-/// How long verify waits for the source to flush what was committed
-/// before it started (the walwriter flushes asynchronous commits within
-/// a few `wal_writer_delay`s).
-const FLUSH_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
-
 /// Runs every check for `flow` and records the verdict in the target.
 pub async fn verify(
     flow: &Flow,
@@ -509,7 +504,11 @@ pub async fn verify(
             crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
             other => VerifyError::State(other.to_string()),
         })?;
-    let run = format!("trellara run --config {config_path}");
+    let run = format!("trellara run --config {config_path} --flow {}", flow.name);
+    let reseed = format!(
+        "trellara reseed --config {config_path} --flow {}",
+        flow.name
+    );
     // Everything committed before verify started, however it was
     // committed: the slot is peeked once it is flushed (crate::horizon).
     let horizon = crate::horizon::last_record_end(source).await?;
@@ -532,13 +531,17 @@ pub async fn verify(
                     e.target_rows,
                     ranges(&e)
                 ),
-                recovery: format!("{run}; if it persists: trellara reseed --config {config_path}"),
+                recovery: format!("{run}; if it persists: {reseed}"),
             });
         } else if e.source_checksum != e.target_checksum {
             divergences.push(Divergence {
                 code: "CHECKSUM_MISMATCH",
-                detail: format!("{table}: same row count ({}), different content{}", e.source_rows, ranges(&e)),
-                recovery: format!("repair the named key range on the target or reseed: trellara reseed --config {config_path}"),
+                detail: format!(
+                    "{table}: same row count ({}), different content{}",
+                    e.source_rows,
+                    ranges(&e)
+                ),
+                recovery: format!("repair the named key range on the target or reseed: {reseed}"),
             });
         }
         tables.push(e);
@@ -637,13 +640,14 @@ pub async fn verify(
     }
     // Decoding sees flushed WAL only: an asynchronous commit not flushed
     // yet would be missed by the peek, and taken for a divergence.
-    let flushed = crate::horizon::flushed_through(source, horizon, FLUSH_PATIENCE).await?;
+    let patience = crate::horizon::flush_patience(source).await?;
+    let flushed = crate::horizon::flushed_through(source, horizon, patience).await?;
     if !flushed {
         divergences.push(Divergence {
             code: "WATERMARK_UNVERIFIED",
             detail: format!(
                 "the source did not flush its WAL through {horizon} within {} s, so the slot could not show every committed change",
-                FLUSH_PATIENCE.as_secs()
+                patience.as_secs()
             ),
             recovery: "check the source's walwriter and disk (pg_stat_wal), then rerun verify".into(),
         });

@@ -287,14 +287,19 @@ fn hostile_flows(major: Major) {
         .expect("connect")
         .batch_execute("INSERT INTO public.orders VALUES (22, 'o22')")
         .expect("write");
-    let kept = footprint(&c, "tgt");
+    // The target's tables (the slot the failed reseed made is gone again).
+    let tables = |db: &str| {
+        let f = footprint(&c, db);
+        f[f.find(" orders ").expect("orders")..].to_owned()
+    };
+    let kept = tables("tgt");
     let text = exits(
         &trellara(d, &["reseed", "--config", "one.yml"]),
         1,
         "a reseed whose copy fails",
     );
     assert!(text.contains("small"), "names the constraint: {text}");
-    assert_eq!(footprint(&c, "tgt"), kept, "the target table is as it was");
+    assert_eq!(tables("tgt"), kept, "the target table is as it was");
     tgt.batch_execute("ALTER TABLE public.orders DROP CONSTRAINT small")
         .expect("drop constraint");
     let text = exits(
@@ -424,4 +429,338 @@ fn asynchronous_commits(major: Major) {
         text.contains("trellara run --config"),
         "names the catch-up: {text}"
     );
+}
+
+#[test]
+fn teardown_removes_what_a_flow_left_and_a_failed_first_run_leaves_nothing() {
+    for major in Major::ALL {
+        eprintln!("on {major}");
+        teardown(major);
+    }
+}
+
+fn teardown(major: Major) {
+    let Some(c) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    for db in ["src", "tgt"] {
+        c.psql(&format!("CREATE DATABASE {db}"));
+        c.try_connect(db)
+            .expect("connect")
+            .batch_execute(TABLES)
+            .expect("tables");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::write(
+        d.join("trellara.yml"),
+        config(
+            "t",
+            &c.connection_string("src"),
+            &c.connection_string("tgt"),
+            &["public.orders"],
+            "./.trellara/t/log",
+        ),
+    )
+    .expect("write");
+    let slots = || c.psql_value("SELECT count(*) FROM pg_replication_slots");
+    let publications = || {
+        c.try_connect("src")
+            .expect("connect")
+            .query_one("SELECT count(*) FROM pg_publication", &[])
+            .expect("count")
+            .get::<_, i64>(0)
+    };
+    let target_rows = || {
+        c.try_connect("tgt")
+            .expect("connect")
+            .query_one("SELECT count(*) FROM public.orders", &[])
+            .expect("count")
+            .get::<_, i64>(0)
+    };
+
+    // A first run that fails in its copy removes the slot and publication
+    // it created.
+    let mut tgt = c.try_connect("tgt").expect("connect");
+    tgt.batch_execute(
+        "TRUNCATE public.orders; ALTER TABLE public.orders ADD CONSTRAINT small CHECK (id <= 3)",
+    )
+    .expect("constraint");
+    let text = exits(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        1,
+        "a first run whose copy fails",
+    );
+    assert!(text.contains("dropped slot trellara_t"), "{text}");
+    assert_eq!(slots(), "0", "no slot left holding WAL");
+    assert_eq!(publications(), 0, "no publication left");
+    tgt.batch_execute("ALTER TABLE public.orders DROP CONSTRAINT small")
+        .expect("drop constraint");
+
+    let text = exits(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        0,
+        "run",
+    );
+    assert!(text.contains("t CONVERGED"), "{text}");
+    let before = (footprint(&c, "src"), footprint(&c, "tgt"));
+
+    // Without --yes: the plan, and nothing removed.
+    let text = exits(
+        &trellara(d, &["teardown", "--config", "trellara.yml"]),
+        1,
+        "teardown without --yes",
+    );
+    for item in [
+        "replication slot trellara_t",
+        "publication trellara_t",
+        "state rows of flow t",
+        "log directory",
+        "kept: the target tables public.orders",
+        "--yes",
+    ] {
+        assert!(text.contains(item), "{item}: {text}");
+    }
+    assert_eq!((footprint(&c, "src"), footprint(&c, "tgt")), before);
+
+    // Never while the flow runs.
+    let mut follow = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["run", "--config", "trellara.yml", "--local", "--follow"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("follow");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while c.psql_value("SELECT count(*) FROM pg_replication_slots WHERE active") != "1" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "follow never streamed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let text = exits(
+        &trellara(d, &["teardown", "--config", "trellara.yml", "--yes"]),
+        1,
+        "teardown while running",
+    );
+    assert!(text.contains("is running"), "{text}");
+    assert_eq!(slots(), "1");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(follow.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    assert!(follow.wait().expect("wait").success());
+
+    let text = exits(
+        &trellara(d, &["teardown", "--config", "trellara.yml", "--yes"]),
+        0,
+        "teardown",
+    );
+    assert!(
+        text.contains("removed:") && text.contains("replication slot trellara_t"),
+        "{text}"
+    );
+    assert_eq!(slots(), "0");
+    assert_eq!(publications(), 0);
+    assert!(!d.join(".trellara/t/log").exists());
+    let state: i64 = c
+        .try_connect("tgt")
+        .expect("connect")
+        .query_one("SELECT count(*) FROM trellara.checkpoints", &[])
+        .expect("state")
+        .get(0);
+    assert_eq!(state, 0, "the flow's state rows are gone");
+    assert_eq!(target_rows(), 20, "the target's rows are kept");
+
+    // A publication the operator made is theirs: kept.
+    c.try_connect("src")
+        .expect("connect")
+        .batch_execute("CREATE PUBLICATION trellara_t FOR TABLE public.orders")
+        .expect("publication");
+    exits(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        0,
+        "run on the operator's publication",
+    );
+    let text = exits(
+        &trellara(d, &["teardown", "--config", "trellara.yml", "--yes"]),
+        0,
+        "teardown",
+    );
+    assert!(text.contains("trellara did not create it"), "{text}");
+    assert_eq!(publications(), 1);
+    assert_eq!(slots(), "0");
+}
+
+#[test]
+fn status_and_repair_plan_name_every_stop_with_its_command() {
+    for major in Major::ALL {
+        eprintln!("on {major}");
+        stops_are_visible(major);
+    }
+}
+
+/// A schema drift that stopped capture, and a slot dropped behind the
+/// flow's back, are named by status and repair plan with commands that
+/// carry the flow; a flow that never ran reads as such, without nulls.
+fn stops_are_visible(major: Major) {
+    let Some(c) = test_cluster(
+        major,
+        &ClusterOptions::new().setting("max_prepared_transactions", "2"),
+    ) else {
+        return;
+    };
+    for db in ["src", "tgt"] {
+        c.psql(&format!("CREATE DATABASE {db}"));
+        c.try_connect(db)
+            .expect("connect")
+            .batch_execute(TABLES)
+            .expect("tables");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::write(
+        d.join("trellara.yml"),
+        config(
+            "s",
+            &c.connection_string("src"),
+            &c.connection_string("tgt"),
+            &["public.orders"],
+            "./.trellara/s/log",
+        ),
+    )
+    .expect("write");
+    let status = |format: &str| {
+        let out = trellara(
+            d,
+            &[
+                "status",
+                "--config",
+                "trellara.yml",
+                "--flow",
+                "s",
+                "--format",
+                format,
+            ],
+        );
+        exits(&out, 0, "status")
+    };
+    let json = status("json");
+    assert!(
+        json.contains("\"never_ran\": true") && !json.contains("null"),
+        "{json}"
+    );
+    exits(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        0,
+        "run",
+    );
+
+    // The replica identity changes the relation's fingerprint, not its
+    // columns: capture meets the drift on the next change.
+    c.try_connect("src")
+        .expect("connect")
+        .batch_execute("ALTER TABLE public.orders REPLICA IDENTITY FULL; UPDATE public.orders SET note = 'x' WHERE id = 1")
+        .expect("drift");
+    let text = exits(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        1,
+        "a run meeting schema drift",
+    );
+    assert!(text.contains("schema drift"), "{text}");
+    let text = status("text");
+    assert!(
+        text.contains("STOPPED")
+            && text.contains("schema drift on public.orders")
+            && text.contains("pinned fingerprint 0x"),
+        "{text}"
+    );
+    assert!(
+        text.contains("trellara reseed --config trellara.yml --flow s"),
+        "{text}"
+    );
+    let plan = exits(
+        &trellara(d, &["repair", "plan", "--config", "trellara.yml"]),
+        0,
+        "repair plan",
+    );
+    assert!(plan.contains("schema drift on public.orders"), "{plan}");
+    assert!(!plan.contains("nothing is blocked"), "{plan}");
+    for line in plan
+        .lines()
+        .filter(|l| l.trim_start().starts_with("trellara "))
+    {
+        assert!(
+            line.contains("--flow s"),
+            "every command names the flow: {line}"
+        );
+    }
+
+    // The slot dropped behind the flow's back.
+    c.try_connect("src")
+        .expect("connect")
+        .batch_execute("SELECT pg_drop_replication_slot('trellara_s')")
+        .expect("drop the slot");
+    let text = status("text");
+    assert!(text.contains("trellara_s missing"), "{text}");
+    let plan = exits(
+        &trellara(d, &["repair", "plan", "--config", "trellara.yml"]),
+        0,
+        "repair plan",
+    );
+    assert!(
+        plan.contains("slot trellara_s on the source, which is missing"),
+        "{plan}"
+    );
+
+    // The reseed the plan names: converged, and the stop is gone.
+    let text = exits(
+        &trellara(
+            d,
+            &[
+                "reseed",
+                "--config",
+                "trellara.yml",
+                "--flow",
+                "s",
+                "--verify",
+            ],
+        ),
+        0,
+        "reseed",
+    );
+    assert!(text.contains("s CONVERGED"), "{text}");
+    let text = status("text");
+    assert!(
+        !text.contains("STOPPED") && text.contains("trellara_s idle"),
+        "{text}"
+    );
+    let plan = exits(
+        &trellara(d, &["repair", "plan", "--config", "trellara.yml"]),
+        0,
+        "repair plan",
+    );
+    assert!(plan.contains("nothing is blocked"), "{plan}");
+
+    // An open prepared transaction (slot creation would wait on it) is
+    // named by preflight with its gid and the statement that ends it.
+    let mut src = c.try_connect("src").expect("connect");
+    src.batch_execute(
+        "BEGIN; INSERT INTO public.nokey VALUES (99, 'p'); PREPARE TRANSACTION 'pay42'",
+    )
+    .expect("prepare");
+    let out = trellara(d, &["preflight", "--config", "trellara.yml"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("W19")
+            && text.contains("pay42")
+            && text.contains("ROLLBACK PREPARED 'pay42'"),
+        "{text}"
+    );
+    src.batch_execute("ROLLBACK PREPARED 'pay42'")
+        .expect("rollback prepared");
 }

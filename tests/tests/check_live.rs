@@ -487,6 +487,19 @@ fn live(major: Major) {
         "{}",
         trellara_check::render_text(&ready)
     );
+    // The draft is a config `trellara check --config` passes.
+    let draft = trellara_check::config_draft::draft(
+        &ready,
+        &["public.items".into(), "public.orders".into()],
+    )
+    .expect("a draft for a ready source");
+    let parsed = trellara_relay::config::parse(&draft).expect("the draft parses");
+    let issues = trellara_relay::config::validate(&parsed);
+    assert!(issues.is_empty(), "{draft}\n{issues:?}");
+    assert!(matches!(
+        trellara_check::config_draft::draft(&ready, &[]),
+        Err(trellara_check::config_draft::DraftError::NoTables)
+    ));
 
     // A pg_monitor-only role: sees slots and WAL, but has no replication
     // privilege (blocked, with the statement that grants it).

@@ -59,7 +59,7 @@ pub enum ApplyError {
     #[error("simulated crash at {0:?}")]
     Crashed(CrashPoint),
     #[error(
-        "flow {flow}: the record at log offset {offset} comes from source {found:?}, not from this flow's source {expected:?}; nothing of it was applied\nhint: the log or topic is shared with another flow: give each flow its own transport.log_dir (and topic), then `trellara reseed --config {config}`"
+        "flow {flow}: the record at log offset {offset} comes from source {found:?}, not from this flow's source {expected:?}; nothing of it was applied\nhint: the log or topic is shared with another flow: give each flow its own transport.log_dir (and topic), then `trellara reseed --config {config} --flow {flow}`"
     )]
     Foreign {
         flow: String,
@@ -835,8 +835,8 @@ impl<T: Target> Applier<T> {
                 // Nothing at the target fixes it, and every rerun reads the
                 // same bytes: the transaction must come from the source again.
                 let recovery = format!(
-                    "the log's copy of this transaction is damaged and every rerun meets it again: check the flow's log with `trellara log inspect --dir <transport.log_dir> --verify`, then take a new snapshot and stream with `trellara reseed --config {}`",
-                    self.config_path
+                    "the log's copy of this transaction is damaged and every rerun meets it again: check the flow's log with `trellara log inspect --dir <transport.log_dir> --verify`, then take a new snapshot and stream with `trellara reseed --config {} --flow {}`",
+                    self.config_path, self.flow
                 );
                 return Err(self
                     .quarantine_with(Lsn(commit_lsn), 0, reason, &payload, recovery)
@@ -911,8 +911,8 @@ impl<T: Target> Applier<T> {
         envelope: &[u8],
     ) -> Result<ApplyError, ApplyError> {
         let recovery = format!(
-            "fix the cause named above at the target (or the config), then rerun `trellara run --config {}`: the quarantined transaction is retried first; `trellara verify --config {}` afterwards",
-            self.config_path, self.config_path
+            "fix the cause named above at the target (or the config), then rerun `trellara run --config {} --flow {}`: the quarantined transaction is retried first; `trellara verify --config {} --flow {}` afterwards",
+            self.config_path, self.flow, self.config_path, self.flow
         );
         self.quarantine_with(commit_lsn, xid, reason, envelope, recovery)
             .await
@@ -1365,8 +1365,8 @@ impl<T: Target> Applier<T> {
         match self.target.change_row(relation, row).await? {
             None | Some(1) => Ok(()),
             Some(n) => Err(Refusal::Data(format!(
-                "{op} on {}.{} matched {n} rows, expected 1: the target has diverged from the source (no silent divergence)\nhint: run `trellara verify --config {}` to name the diverging key range",
-                relation.namespace, relation.name, self.config_path
+                "{op} on {}.{} matched {n} rows, expected 1: the target has diverged from the source (no silent divergence)\nhint: run `trellara verify --config {} --flow {}` to name the diverging key range",
+                relation.namespace, relation.name, self.config_path, self.flow
             ))),
         }
     }

@@ -123,6 +123,9 @@ pub struct PreflightArgs {
 pub struct StatusArgs {
     #[arg(long, default_value = "trellara.yml")]
     config: PathBuf,
+    /// Only this flow.
+    #[arg(long)]
+    flow: Option<String>,
     #[arg(long, value_enum, default_value = "report")]
     view: View,
     #[arg(long, value_enum, default_value_t)]
@@ -396,7 +399,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             verify_flows(
                 &config,
                 &config_path,
-                None,
+                args.flow.as_deref(),
                 None,
                 args.format,
                 verify::CHUNK_ROWS,
@@ -513,18 +516,16 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let config = config::load(&args.config)?;
     let rt = runtime()?;
     let mut out = Vec::new();
-    for (index, f) in flows(&config, None)? {
+    let path = args.config.display().to_string();
+    for (index, f) in flows(&config, args.flow.as_deref())? {
         let value = rt.block_on(async {
-            let (_, target_url) = flow::urls(f, index)?;
+            let (source_url, target_url) = flow::urls(f, index)?;
             let target = flow::connect(&target_url, "target").await?;
             if !crate::state::present(&target).await? {
                 return anyhow::Ok(json!({
                     "flow": f.name,
-                    "checkpoint": null,
-                    "snapshot": null,
-                    "quarantined": [],
-                    "last_verify": null,
                     "never_ran": true,
+                    "next": [format!("trellara preflight --config {path}"), format!("trellara run --config {path} --flow {} --local --verify", f.name)],
                 }));
             }
             let q = |sql: &'static str| {
@@ -543,7 +544,12 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 "snapshot": snapshot.first().map(|r| json!({"state": r.get::<_, String>(0), "consistent_lsn": r.get::<_, Option<String>>(1), "run_id": r.get::<_, i64>(2), "reason": r.get::<_, String>(3)})),
                 "quarantined": quarantine.iter().map(|r| json!({"commit_lsn": r.get::<_, String>(0), "xid": r.get::<_, i64>(1), "reason": r.get::<_, String>(2), "recovery": r.get::<_, String>(3), "attempts": r.get::<_, i32>(4)})).collect::<Vec<_>>(),
                 "last_verify": last_verify.first().map(|r| json!({"verdict": r.get::<_, String>(0), "at": r.get::<_, String>(1)})),
+                "never_ran": false,
             });
+            if let Some(stop) = crate::state::stop(&target, &f.name).await? {
+                v["stopped"] = serde_json::to_value(stop)?;
+            }
+            v["slot"] = slot_state(f, &source_url).await;
             if matches!(args.view, View::Diagnostics)
                 && let Some(dir) = f.log_dir()
                 && dir.exists()
@@ -571,11 +577,28 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 println!("flow {}", v["flow"].as_str().unwrap_or(""));
                 if v["never_ran"] == true {
                     println!(
-                        "  never ran against this target (no trellara state tables): trellara run --config {} --local",
-                        args.config.display()
+                        "  never ran against this target (no trellara state tables): trellara run --config {} --flow {} --local",
+                        args.config.display(),
+                        v["flow"].as_str().unwrap_or("")
                     );
                     continue;
                 }
+                if let Some(stop) = v.get("stopped") {
+                    println!(
+                        "  STOPPED     {} at {}",
+                        stop["detail"].as_str().unwrap_or(""),
+                        stop["stopped_at"].as_str().unwrap_or("")
+                    );
+                    for c in stop["commands"].as_array().into_iter().flatten() {
+                        println!("    next: {}", c.as_str().unwrap_or(""));
+                    }
+                }
+                let slot = &v["slot"];
+                println!(
+                    "  slot        {} {}",
+                    slot["name"].as_str().unwrap_or(""),
+                    slot["state"].as_str().unwrap_or("")
+                );
                 println!(
                     "  snapshot    {}",
                     v["snapshot"]["state"].as_str().unwrap_or("none")
@@ -856,6 +879,39 @@ pub fn stream(args: StreamArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// The flow's slot as the source has it: `state` is active, idle, missing,
+/// invalidated, or unknown (with the reason) when the source cannot be read.
+async fn slot_state(f: &Flow, source_url: &str) -> serde_json::Value {
+    let slot = f.slot();
+    let read = async {
+        let source = flow::connect(source_url, "source").await?;
+        let row = source
+            .query_opt(
+                "SELECT active, coalesce(wal_status, ''), restart_lsn IS NULL FROM pg_replication_slots
+                 WHERE slot_name = $1 AND database = current_database()",
+                &[&slot],
+            )
+            .await?;
+        anyhow::Ok(row.map(|r| {
+            (
+                r.get::<_, bool>(0),
+                r.get::<_, String>(1),
+                r.get::<_, bool>(2),
+            )
+        }))
+    };
+    match read.await {
+        Ok(None) => json!({"name": slot, "state": "missing"}),
+        Ok(Some((_, wal_status, no_restart))) if wal_status == "lost" || no_restart => {
+            json!({"name": slot, "state": "invalidated", "wal_status": wal_status})
+        }
+        Ok(Some((active, wal_status, _))) => {
+            json!({"name": slot, "state": if active { "active" } else { "idle" }, "wal_status": wal_status})
+        }
+        Err(e) => json!({"name": slot, "state": "unknown", "reason": super::chain(&e)}),
+    }
+}
+
 /// What is blocked and the exact commands that unblock it. There is no
 /// repair apply: the plan names the commands for the specific blockage.
 pub fn repair_plan(args: StatusArgs) -> anyhow::Result<ExitCode> {
@@ -863,25 +919,38 @@ pub fn repair_plan(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let path = args.config.display().to_string();
     let rt = runtime()?;
     let mut steps: Vec<serde_json::Value> = Vec::new();
-    for (index, f) in flows(&config, None)? {
+    for (index, f) in flows(&config, args.flow.as_deref())? {
+        let name = &f.name;
         rt.block_on(async {
-            let (_, target_url) = flow::urls(f, index)?;
+            let (source_url, target_url) = flow::urls(f, index)?;
             let target = flow::connect(&target_url, "target").await?;
             if !crate::state::present(&target).await? {
-                steps.push(json!({"flow": f.name, "blocked": "the flow has not run against this target yet (no trellara state tables)",
-                    "commands": [format!("trellara preflight --config {path}"), format!("trellara run --config {path} --local --verify")]}));
+                steps.push(json!({"flow": name, "blocked": "the flow has not run against this target yet (no trellara state tables)",
+                    "commands": [format!("trellara preflight --config {path}"), format!("trellara run --config {path} --flow {name} --local --verify")]}));
                 return anyhow::Ok(());
             }
-            for q in target.query("SELECT commit_lsn::text, xid, reason, attempts FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn", &[&f.name]).await? {
-                steps.push(json!({"flow": f.name, "blocked": format!("transaction {} at {} is quarantined ({} attempts): {}", q.get::<_, i64>(1), q.get::<_, String>(0), q.get::<_, i32>(3), q.get::<_, String>(2)),
-                    "commands": ["fix the cause named above at the target", format!("trellara run --config {path} --local"), format!("trellara verify --config {path}")]}));
+            if let Some(stop) = crate::state::stop(&target, name).await? {
+                steps.push(json!({"flow": name, "blocked": format!("the last run stopped ({}): {}", stop.kind, stop.detail), "commands": stop.commands}));
             }
-            if let Some(s) = crate::snapshot::load(&target, &f.name).await? {
+            for q in target.query("SELECT commit_lsn::text, xid, reason, attempts FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn", &[name]).await? {
+                steps.push(json!({"flow": name, "blocked": format!("transaction {} at {} is quarantined ({} attempts): {}", q.get::<_, i64>(1), q.get::<_, String>(0), q.get::<_, i32>(3), q.get::<_, String>(2)),
+                    "commands": ["fix the cause named above at the target", format!("trellara run --config {path} --flow {name} --local"), format!("trellara verify --config {path} --flow {name}")]}));
+            }
+            let snapshot = crate::snapshot::load(&target, name).await?;
+            let streaming = snapshot.as_ref().is_some_and(|s| {
+                matches!(s.state, crate::state::SnapshotState::StreamHandoffReady | crate::state::SnapshotState::Verified)
+            });
+            if let Some(s) = &snapshot {
                 if s.state == crate::state::SnapshotState::FailedRecoverable {
-                    steps.push(json!({"flow": f.name, "blocked": "the snapshot run is failed_recoverable", "commands": [format!("trellara reseed --config {path} --verify")]}));
-                } else if !matches!(s.state, crate::state::SnapshotState::StreamHandoffReady | crate::state::SnapshotState::Verified) {
-                    steps.push(json!({"flow": f.name, "blocked": format!("the snapshot run stopped at {}", s.state.as_str()), "commands": [format!("trellara run --config {path} --local")]}));
+                    steps.push(json!({"flow": name, "blocked": "the snapshot run is failed_recoverable", "commands": [format!("trellara reseed --config {path} --flow {name} --verify")]}));
+                } else if !streaming {
+                    steps.push(json!({"flow": name, "blocked": format!("the snapshot run stopped at {}", s.state.as_str()), "commands": [format!("trellara run --config {path} --flow {name} --local")]}));
                 }
+            }
+            let slot = slot_state(f, &source_url).await;
+            if streaming && matches!(slot["state"].as_str(), Some("missing" | "invalidated")) {
+                steps.push(json!({"flow": name, "blocked": format!("the flow streams from slot {} on the source, which is {}: the changes since it are not captured", f.slot(), slot["state"].as_str().unwrap_or("")),
+                    "commands": [format!("trellara reseed --config {path} --flow {name} --verify")]}));
             }
             anyhow::Ok(())
         })?;

@@ -9,6 +9,7 @@ mod flow;
 mod log;
 mod relay;
 mod semantics;
+mod teardown;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use std::process::ExitCode;
@@ -85,6 +86,9 @@ pub enum Command {
         #[command(subcommand)]
         action: Repair,
     },
+    /// Remove a flow's slot, publication, state rows and log (not its target tables).
+    #[command(hide = true)]
+    Teardown(teardown::TeardownArgs),
     /// Stream position tools (locate-local).
     #[command(hide = true)]
     Stream(flow::StreamArgs),
@@ -179,6 +183,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             action: Repair::Plan(args),
         } => return flow::repair_plan(args),
         Command::Stream(args) => return flow::stream(args),
+        Command::Teardown(args) => return teardown::run(args),
         Command::Semantics(args) => return semantics::run(args),
     };
     anyhow::bail!(
