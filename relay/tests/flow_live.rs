@@ -2409,3 +2409,69 @@ fn crash_drills_under_load_converge_on(major: Major) {
         p.source.psql_value("SELECT count(*) FROM public.orders")
     );
 }
+
+#[test]
+fn a_value_that_does_not_fit_its_target_column_is_quarantined_never_cut() {
+    on_every_major(a_value_that_does_not_fit_on);
+}
+
+/// A target column narrower than the source's (varchar(3) for text,
+/// numeric(10,0) for numeric) refuses the transaction - one row, or a
+/// batch that goes as COPY - instead of cutting 'xxxxxx' to 'xxx' or
+/// rounding 3.50 to 4.
+fn a_value_that_does_not_fit_on(major: Major) {
+    let Some(rig) = ApplierRig::new(major) else {
+        return;
+    };
+    let ApplierRig {
+        target, log, rt, ..
+    } = &rig;
+    let cases = [
+        (
+            "ALTER TABLE public.sales ALTER COLUMN note TYPE varchar(3)",
+            1,
+            "public.sales.note",
+        ),
+        (
+            "ALTER TABLE public.sales ALTER COLUMN note TYPE varchar(3)",
+            300,
+            "public.sales.note",
+        ),
+        (
+            "ALTER TABLE public.sales ALTER COLUMN amount TYPE numeric(10,0)",
+            2,
+            "public.sales.amount",
+        ),
+    ];
+    for (i, (alter, rows, column)) in cases.iter().enumerate() {
+        target.psql("DROP TABLE IF EXISTS public.sales; CREATE TABLE public.sales (id bigint PRIMARY KEY, amount numeric, note text)");
+        target.psql(alter);
+        let commit = 0x1000_0000 * (i as u64 + 1);
+        let mut env = trellara_common::sample::insert_transaction(*rows, 6);
+        env.commit_lsn = commit;
+        env.end_lsn = commit + 0x10;
+        env.begin_lsn = commit - 0x10;
+        let bytes = trellara_common::envelope::encode(&env).expect("valid");
+        log.append(commit, &bytes).expect("append");
+        let mut applier = rig.applier();
+        let err = rt
+            .block_on(applier.apply_log(log))
+            .expect_err("a value that does not fit");
+        let text = err.to_string();
+        assert!(
+            text.contains("quarantined") && text.contains(column),
+            "{major} {alter} x{rows}: {text}"
+        );
+        assert_eq!(
+            target.psql_value("SELECT count(*) FROM public.sales"),
+            "0",
+            "{alter}: nothing applied"
+        );
+        target.psql("UPDATE trellara.quarantine SET resolved_at = now()");
+        log.commit_cursor(
+            &trellara_relay::apply::cursor_name("t"),
+            trellara_relay::log::CursorPosition::start_at(log.next_offset()),
+        )
+        .expect("skip past it");
+    }
+}

@@ -214,6 +214,42 @@ pub trait Target {
     async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError>;
 }
 
+/// Whether every value of a source column (type `source_oid`, modifier
+/// `source_mod`) lands unchanged in a target column (`target_oid`,
+/// `target_mod`). A target without a modifier takes whatever its type
+/// parses; one with a modifier must be the source's, or wider where wider
+/// cannot change a value: a longer varchar or bit varying, a numeric with
+/// more precision and the same scale, a time type with more fractional
+/// digits. Anything else (a shorter length, another scale, a char(n) of
+/// another length, a modifier on another type) could cut, pad or round.
+pub(crate) fn fits(source_oid: u32, source_mod: i32, target_oid: u32, target_mod: i32) -> bool {
+    const VARCHAR: u32 = 1043;
+    const VARBIT: u32 = 1562;
+    const NUMERIC: u32 = 1700;
+    const TIME_TYPES: [u32; 5] = [1083, 1266, 1114, 1184, 1186];
+    if target_mod < 0 {
+        return true;
+    }
+    if source_oid != target_oid || source_mod < 0 {
+        return false;
+    }
+    if source_mod == target_mod {
+        return true;
+    }
+    match target_oid {
+        VARCHAR | VARBIT => target_mod > source_mod,
+        NUMERIC => {
+            // typmod = ((precision << 16) | scale) + 4
+            let (sp, ss) = ((source_mod - 4) >> 16, (source_mod - 4) & 0xffff);
+            let (tp, ts) = ((target_mod - 4) >> 16, (target_mod - 4) & 0xffff);
+            ss == ts && tp >= sp
+        }
+        // interval's modifier also holds its fields: only equal is safe.
+        oid if TIME_TYPES.contains(&oid) && oid != 1186 => target_mod > source_mod,
+        _ => false,
+    }
+}
+
 pub(crate) fn missing_table(relation: &RelationSchema) -> String {
     format!(
         "target table {}.{} does not exist",
@@ -1380,6 +1416,28 @@ mod tests {
 
     fn chunk(commit: u64, index: u32, count: u32) -> Vec<u8> {
         envelope::encode(&sample::chunk(commit, index, count)).expect("valid chunk")
+    }
+
+    #[test]
+    fn a_column_fits_only_when_no_value_can_change() {
+        let numeric = |p: i32, s: i32| ((p << 16) | s) + 4;
+        // varchar(10) -> varchar(3) cuts; -> varchar(20) or varchar does not.
+        assert!(!fits(1043, 14, 1043, 7));
+        assert!(fits(1043, 14, 1043, 24) && fits(1043, 14, 1043, -1));
+        // text -> varchar(3): another type under a length.
+        assert!(!fits(25, -1, 1043, 7));
+        // numeric(12,2) -> numeric(10,1) rounds; -> numeric(14,2) does not;
+        // unconstrained numeric -> numeric(12,2) may round.
+        assert!(!fits(1700, numeric(12, 2), 1700, numeric(10, 1)));
+        assert!(fits(1700, numeric(12, 2), 1700, numeric(14, 2)));
+        assert!(!fits(1700, numeric(12, 2), 1700, numeric(14, 3)));
+        assert!(!fits(1700, -1, 1700, numeric(12, 2)));
+        // timestamp(6) -> timestamp(0) rounds; char(5) -> char(3) cuts,
+        // -> char(8) pads; bit(3) -> bit(2).
+        assert!(!fits(1114, 6, 1114, 0) && fits(1114, 3, 1114, 6));
+        assert!(!fits(1042, 9, 1042, 7) && !fits(1042, 9, 1042, 12));
+        assert!(!fits(1560, 3, 1560, 2));
+        assert!(fits(23, -1, 23, -1) && fits(1042, 9, 1042, 9));
     }
 
     /// The samples' source.

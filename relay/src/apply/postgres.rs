@@ -142,7 +142,7 @@ fn qualified(relation: &RelationSchema) -> String {
 }
 
 fn quote_ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
+    postgres_protocol::escape::escape_identifier(name)
 }
 
 impl PgTarget {
@@ -381,11 +381,20 @@ impl PgTarget {
         if let Some(t) = self.tables.get(&qualified) {
             return Ok(t.clone());
         }
+        // Values are cast to the column's type without its modifier: an
+        // explicit cast to varchar(n), char(n) or bit(n) cuts or pads, the
+        // assignment to the column refuses instead. Where the assignment
+        // itself would round (numeric scale, time precision), `fits` refuses
+        // the table up front.
         let rows = self
             .client
             .query(
-                "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod)
-                 FROM pg_attribute a
+                "SELECT a.attname::text,
+                        CASE WHEN t.typcategory = 'V' OR a.atttypid = 'bit'::regtype THEN 'bit varying'
+                             WHEN a.atttypid = 'bit[]'::regtype THEN 'bit varying[]'
+                             ELSE format_type(a.atttypid, NULL) END,
+                        a.atttypid::int8, a.atttypmod, format_type(a.atttypid, a.atttypmod)
+                 FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
                  WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
                 &[&qualified],
             )
@@ -398,8 +407,26 @@ impl PgTarget {
             types: rows.iter().map(|r| (r.get(0), r.get(1))).collect(),
         };
         for column in &relation.columns {
-            if !table.types.contains_key(&column.name) {
+            let Some(target) = rows.iter().find(|r| r.get::<_, String>(0) == column.name) else {
                 return Err(Refusal::Data(super::missing_column(relation, &column.name)));
+            };
+            let (oid, modifier, shown): (i64, i32, String) =
+                (target.get(2), target.get(3), target.get(4));
+            if !super::fits(
+                column.type_oid,
+                column.type_modifier,
+                u32::try_from(oid).unwrap_or(0),
+                modifier,
+            ) {
+                return Err(Refusal::Data(format!(
+                    "target column {}.{}.{} is {shown}, narrower than or different from the source's (type {} modifier {}): a value could be cut or rounded, and none is silently changed\nhint: make the target column the source's type (ALTER TABLE {qualified} ALTER COLUMN {} TYPE ...), then rerun; `trellara preflight` names each such column",
+                    relation.namespace,
+                    relation.name,
+                    column.name,
+                    column.type_oid,
+                    column.type_modifier,
+                    quote_ident(&column.name)
+                )));
             }
         }
         self.tables.insert(qualified, table.clone());
