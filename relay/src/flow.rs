@@ -902,6 +902,15 @@ async fn run_round<W: Watch>(
     report.capture_duplicates_skipped = stats.duplicates_skipped;
     report.caught_up_to = (!follow).then_some(goal);
     state::clear_stop(target, &flow.name).await?;
+    // pgoutput carries no sequences: a cutover must not reuse a key.
+    match crate::sequences::bring_forward(flow, &source, target).await {
+        Ok(moved) => moved.iter().for_each(|m| progress(m)),
+        Err(e) => progress(&format!(
+            "warning: the flow's sequences were not brought forward on the target: {}\nhint: grant the source role SELECT on them",
+            e.as_db_error()
+                .map_or_else(|| e.to_string(), |d| d.message().to_owned())
+        )),
+    }
     progress(&format!(
         "captured {} transactions; applied {} ({} rows), {} duplicates skipped",
         stats.envelopes,

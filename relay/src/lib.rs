@@ -16,6 +16,7 @@ pub mod log;
 pub mod native;
 pub mod preflight;
 pub mod semantics;
+pub mod sequences;
 pub mod sim;
 pub mod snapshot;
 pub mod state;

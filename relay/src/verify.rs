@@ -62,6 +62,8 @@ pub struct Verdict {
     /// `--table`: the one table compared. Such a verdict moves no state.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub only_table: Option<String>,
+    /// What is worth knowing but is no divergence (a sequence behind).
+    pub notes: Vec<String>,
 }
 
 impl VerifyError {
@@ -743,6 +745,27 @@ pub async fn verify(
         });
     }
 
+    // Sequences are not transactional: one behind is a note.
+    let notes = match crate::sequences::owned(flow, source, target).await {
+        Ok(owned) => owned
+            .iter()
+            .filter(|s| s.behind())
+            .map(|s| {
+                format!(
+                    "sequence {} of {}.{} is at {} on the target, {} on the source (not a divergence: sequences are not transactional; `{run}` brings it forward)",
+                    s.target.as_ref().map_or("", |t| t.0.as_str()),
+                    s.table,
+                    s.column,
+                    s.target.as_ref().map_or(0, |t| t.1),
+                    s.source.0
+                )
+            })
+            .collect(),
+        Err(e) => vec![format!(
+            "the sequences of the flow's tables could not be compared: {}",
+            e.as_db_error().map_or_else(|| e.to_string(), |d| d.message().to_owned())
+        )],
+    };
     let mut verdict = Verdict {
         flow: flow.name.clone(),
         // Behind is lag, not a divergence: the rows cannot be judged
@@ -764,6 +787,7 @@ pub async fn verify(
         transactions_applied: transactions,
         duplicates_skipped: duplicates,
         only_table: only_table.map(str::to_owned),
+        notes,
     };
     // Verification is a state transition as well as a report, on the
     // evidence of every table only. A verified run goes back only on
@@ -870,6 +894,9 @@ pub fn render_text(v: &Verdict) -> String {
             "  {}: {}\n    recovery: {}\n",
             d.code, d.detail, d.recovery
         ));
+    }
+    for n in &v.notes {
+        out.push_str(&format!("  note: {n}\n"));
     }
     out.push_str(&format!("{} {}\n", v.flow, v.result));
     out
