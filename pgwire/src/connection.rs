@@ -105,8 +105,29 @@ impl std::fmt::Debug for Connection {
 }
 
 impl Connection {
-    /// Opens a `replication=database` session.
+    /// Opens a `replication=database` session. `connect_timeout` bounds the
+    /// whole of it - TCP, TLS, startup and authentication - so a peer that
+    /// accepts and never answers is an error, not a hang.
     pub async fn connect(options: &ConnectOptions) -> Result<Connection, WireError> {
+        match tokio::time::timeout(options.connect_timeout, Self::open(options)).await {
+            Ok(opened) => opened,
+            Err(_) => Err(WireError::Connect {
+                to: match options.unix_socket() {
+                    Some(path) => format!("Unix socket {}", path.display()),
+                    None => format!("{}:{}", options.host, options.port),
+                },
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "no session within connect_timeout ({} s, covering TCP, TLS and authentication)",
+                        options.connect_timeout.as_secs_f64()
+                    ),
+                ),
+            }),
+        }
+    }
+
+    async fn open(options: &ConnectOptions) -> Result<Connection, WireError> {
         let socket = options.unix_socket();
         let connect_err = |source| WireError::Connect {
             to: match &socket {

@@ -49,6 +49,14 @@ pub enum FlowError {
     Unsupported(String),
     #[error("{0}")]
     Native(String),
+    #[error(
+        "connect to the {side} database ({target}): no session within connect_timeout ({seconds} s, covering TCP, TLS and authentication)\nhint: check the host and port; a slow server takes ?connect_timeout=SECONDS in the URL"
+    )]
+    ConnectTimeout {
+        side: &'static str,
+        target: String,
+        seconds: f64,
+    },
     #[error("the {side} database URL ({target}): {message}")]
     Url {
         side: &'static str,
@@ -113,6 +121,7 @@ impl FlowError {
                 })
         }
         match self {
+            FlowError::ConnectTimeout { .. } => true,
             FlowError::Connect { source, .. } | FlowError::Target(source) => unreachable(source),
             FlowError::Apply(ApplyError::Target(crate::apply::TargetError::Postgres(e))) => {
                 unreachable(e)
@@ -290,9 +299,19 @@ pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError>
             target: redact(url),
             message: e.to_string(),
         })?;
-    let (client, connection) = config
-        .connect(tls)
+    // tokio-postgres bounds only the TCP connect by connect_timeout: the
+    // whole startup is, so a peer that accepts and never answers is an error.
+    let timeout = config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(Duration::from_secs(10));
+    let (client, connection) = tokio::time::timeout(timeout, config.connect(tls))
         .await
+        .map_err(|_| FlowError::ConnectTimeout {
+            side,
+            target: redact(url),
+            seconds: timeout.as_secs_f64(),
+        })?
         .map_err(|source| FlowError::Connect {
             side,
             target: redact(url),

@@ -862,3 +862,70 @@ fn sequences(major: Major) {
         1000
     );
 }
+
+/// A peer that accepts TCP and never answers: every command that connects
+/// gives up within connect_timeout (here 1 s) with a clear error, for the
+/// grader's session, the SQL sessions and the replication session alike.
+#[test]
+fn a_peer_that_never_answers_is_an_error_within_connect_timeout() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    // Accept and hold every connection, saying nothing.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming() {
+            held.push(stream);
+        }
+    });
+    let url = format!("postgresql://u@127.0.0.1:{port}/db?connect_timeout=1");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::write(
+        d.join("trellara.yml"),
+        config(
+            "mute",
+            &url,
+            &url,
+            &["public.orders"],
+            "./.trellara/mute/log",
+        ),
+    )
+    .expect("write");
+    for (args, code) in [
+        (&["check", "--database-url", &url][..], 2),
+        (&["preflight", "--config", "trellara.yml"], 2),
+        (&["run", "--config", "trellara.yml", "--local"], 1),
+        (&["verify", "--config", "trellara.yml"], 2),
+        (&["status", "--config", "trellara.yml"], 1),
+        (&["teardown", "--config", "trellara.yml"], 1),
+    ] {
+        let started = std::time::Instant::now();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+            .current_dir(d)
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        // A hang is a failure, not a stuck test.
+        while child.try_wait().expect("wait").is_none() {
+            if started.elapsed() > std::time::Duration::from_secs(20) {
+                let _ = child.kill();
+                panic!("{} hangs on a peer that never answers", args.join(" "));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let out = child.wait_with_output().expect("output");
+        let text = exits(&out, code, &args.join(" "));
+        assert!(
+            text.contains("connect_timeout"),
+            "{}: {text}",
+            args.join(" ")
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(8),
+            "{}",
+            args.join(" ")
+        );
+    }
+}
