@@ -28,7 +28,7 @@ use crate::config::{Flow, split_table};
 use crate::crash::{CrashHooks, CrashPoint, NoCrash};
 use crate::state::SnapshotState;
 use futures_util::{SinkExt, StreamExt};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 use trellara_common::Lsn;
 use trellara_external_relay::pgwire::{self, ConnectOptions, Connection};
@@ -498,6 +498,49 @@ async fn to_handoff<I: SnapshotIo>(
     Ok(report)
 }
 
+/// How often a slot creation that waits says what it waits for.
+const SLOT_WAIT_REPORT: Duration = Duration::from_secs(10);
+
+/// The transactions a slot creation on backend `pid` may be waiting for:
+/// prepared ones by gid, running ones by xid and backend.
+async fn blocking_transactions(source: &Client, pid: i32) -> String {
+    let prepared = source
+        .query("SELECT gid, transaction::text FROM pg_prepared_xacts", &[])
+        .await
+        .map(|rows| {
+            rows.iter()
+                .map(|r| {
+                    format!(
+                        "prepared gid {} (xid {})",
+                        r.get::<_, String>(0),
+                        r.get::<_, String>(1)
+                    )
+                })
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    let running = source
+        .query(
+            "SELECT pid, backend_xid::text, coalesce(now() - xact_start, '0')::text FROM pg_stat_activity
+             WHERE backend_xid IS NOT NULL AND pid <> $1 AND pid <> pg_backend_pid()",
+            &[&pid],
+        )
+        .await
+        .map(|rows| {
+            rows.iter()
+                .map(|r| format!("xid {} (backend {}, open {})", r.get::<_, String>(1), r.get::<_, i32>(0), r.get::<_, String>(2)))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    let all: Vec<String> = prepared.into_iter().chain(running).collect();
+    if all.is_empty() {
+        "none visible to this role (pg_stat_activity shows other roles' xids to pg_read_all_stats)"
+            .into()
+    } else {
+        all.join(", ")
+    }
+}
+
 /// A flow's snapshot between a PostgreSQL source and target.
 pub struct PgSnapshot<'a> {
     flow: &'a Flow,
@@ -706,9 +749,38 @@ impl SnapshotIo for PgSnapshot<'_> {
             crate::config::CapturePath::Native => "trellara",
             crate::config::CapturePath::External => "pgoutput",
         };
-        let created = repl
-            .create_logical_slot_for(&name, plugin, true, false)
-            .await?;
+        // Creating a logical slot waits for every transaction running now
+        // to end, prepared ones included: say which, every 10 s, and on a
+        // stop cancel the wait on the server rather than leave it there.
+        let pid = repl.backend_pid();
+        let source = self.source;
+        let mut stop = self.stop.clone();
+        let created = {
+            let create = repl.create_logical_slot_for(&name, plugin, true, false);
+            tokio::pin!(create);
+            let mut ticker = tokio::time::interval_at(
+                tokio::time::Instant::now() + SLOT_WAIT_REPORT,
+                SLOT_WAIT_REPORT,
+            );
+            loop {
+                tokio::select! {
+                    created = &mut create => break created?,
+                    _ = ticker.tick() => {
+                        let waiting = blocking_transactions(source, pid).await;
+                        tracing::warn!(slot = %name, waiting = %waiting, "creating the slot waits for these transactions to end; the fix: let them finish, or COMMIT PREPARED / ROLLBACK PREPARED the prepared ones");
+                    }
+                    _ = async {
+                        match stop.as_mut() {
+                            Some(stop) => { let _ = stop.wait_for(|s| *s).await; }
+                            None => std::future::pending().await,
+                        }
+                    } => {
+                        let _ = source.execute("SELECT pg_cancel_backend($1)", &[&pid]).await;
+                        return Err(SnapshotError::Stopped);
+                    }
+                }
+            }
+        };
         self.created_slot = true;
         let snapshot = created
             .snapshot_name

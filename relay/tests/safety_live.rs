@@ -761,8 +761,61 @@ fn stops_are_visible(major: Major) {
             && text.contains("ROLLBACK PREPARED 'pay42'"),
         "{text}"
     );
+
+    // A first run's slot creation waits on it, and says so with the gid.
+    c.psql("CREATE DATABASE tgt3");
+    c.try_connect("tgt3")
+        .expect("connect")
+        .batch_execute(TABLES)
+        .expect("tables");
+    std::fs::write(
+        d.join("p.yml"),
+        config(
+            "p",
+            &c.connection_string("src"),
+            &c.connection_string("tgt3"),
+            &["public.orders"],
+            "./.trellara/p/log",
+        ),
+    )
+    .expect("write");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["run", "--config", "p.yml", "--local"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn run");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut said = String::new();
+    while !said.contains("pay42") {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => said.push_str(&line),
+            Err(_) => {
+                let _ = child.kill();
+                panic!("the waiting slot creation was not reported: {said}");
+            }
+        }
+    }
+    assert!(said.contains("creating the slot waits"), "{said}");
     src.batch_execute("ROLLBACK PREPARED 'pay42'")
         .expect("rollback prepared");
+    assert!(
+        child.wait().expect("wait").success(),
+        "the run goes on once it ended"
+    );
 }
 
 #[test]

@@ -159,7 +159,13 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let target = args.target_database_url.as_deref().ok_or_else(|| {
-        anyhow::anyhow!("--target-database-url is required\nhint: the verified flow replicates into a Postgres target")
+        if args.evaluate {
+            anyhow::anyhow!(
+                "--target-database-url is required: a throwaway local target for --evaluate (a cluster under the flow's directory) is not built yet\nhint: pass --target-database-url postgresql://user@host:port/db of a database to replicate into (another database than the source)"
+            )
+        } else {
+            anyhow::anyhow!("--target-database-url is required\nhint: the verified flow replicates into a Postgres target")
+        }
     })?;
     let config = Config {
         schema_version: config::SCHEMA_VERSION,
