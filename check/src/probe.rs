@@ -127,7 +127,8 @@ fn boolean(row: &Row, col: &str) -> Option<bool> {
     }
 }
 
-/// Quotes an identifier the way `quote_ident` would for plain names.
+/// An identifier for statements shown to people: plain when plain (as
+/// PostgreSQL's `quote_ident` leaves it), else quoted by postgres-protocol.
 pub fn quote_ident(name: &str) -> String {
     let plain = name
         .chars()
@@ -139,7 +140,7 @@ pub fn quote_ident(name: &str) -> String {
     if plain {
         name.to_owned()
     } else {
-        format!("\"{}\"", name.replace('"', "\"\""))
+        postgres_protocol::escape::escape_identifier(name)
     }
 }
 

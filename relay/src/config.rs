@@ -294,8 +294,13 @@ pub fn parse(text: &str) -> Result<Config, String> {
 fn scrub(message: &str) -> String {
     let mut out = String::with_capacity(message.len());
     let mut quoted = false;
+    let mut escaped = false;
     for c in message.chars() {
-        if c == '"' {
+        if quoted && escaped {
+            escaped = false;
+        } else if quoted && c == '\\' {
+            escaped = true;
+        } else if c == '"' {
             if !quoted {
                 out.push_str("\"<redacted>\"");
             }
@@ -510,6 +515,17 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
     issues
 }
 
+/// `schema.table` quoted for SQL (postgres-protocol's escape_identifier).
+pub fn quote_table(name: &str) -> Option<String> {
+    split_table(name).map(|(schema, table)| {
+        format!(
+            "{}.{}",
+            postgres_protocol::escape::escape_identifier(schema),
+            postgres_protocol::escape::escape_identifier(table)
+        )
+    })
+}
+
 /// `schema.table` -> (schema, table); plain lower-case identifiers only.
 pub fn split_table(name: &str) -> Option<(&str, &str)> {
     let (schema, table) = name.split_once('.')?;
@@ -624,6 +640,7 @@ flows:
             "schema_version: 2\nflows:\n  - name: a\n    source: \"postgresql://u:hunter2@h/db\"\n",
             "schema_version: 2\nflows:\n  - name: a\n    source:\n      url: [\"postgresql://u:hunter2@h/db\"]\n",
             "schema_version: hunter2\nflows: []\n",
+            "schema_version: \"pa\\\"hunter2\"\nflows: []\n",
         ] {
             let err = parse(text).expect_err("invalid");
             assert!(!err.contains("hunter2"), "{err}");

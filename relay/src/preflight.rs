@@ -11,7 +11,7 @@
 //! (another tool's stalled slot) are warnings there; a full
 //! `max_replication_slots` does not block a flow whose slot already exists.
 
-use crate::config::{Flow, split_table};
+use crate::config::{Flow, quote_table};
 use serde::Serialize;
 use std::time::Duration;
 use tokio_postgres::Client;
@@ -184,7 +184,11 @@ pub async fn assess(
     if !same {
         found.extend(target_tables(flow, source, target).await?);
     }
-    let has_slot = report.facts.slots.iter().any(|s| s.name == flow.slot());
+    // A slot of the flow's name on another database is another flow's.
+    let has_slot = report.facts.slots.iter().any(|s| {
+        s.name == flow.slot()
+            && s.database.as_deref() == Some(report.facts.server.database.as_str())
+    });
     Ok(Assessment {
         source: report,
         flow: found,
@@ -203,10 +207,9 @@ async fn target_tables(
     let columns = "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
                    WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum";
     for table in &flow.tables {
-        let Some((schema, name)) = split_table(table) else {
+        let Some(qualified) = quote_table(table) else {
             continue;
         };
-        let qualified = format!("\"{schema}\".\"{name}\"");
         let want: Vec<(String, String)> = source
             .query(columns, &[&qualified])
             .await?

@@ -24,7 +24,7 @@
 //! source and target in [`PgSnapshot`], a simulated pair in the
 //! deterministic simulator, which stops it at the named crash points.
 
-use crate::config::{Flow, split_table};
+use crate::config::{Flow, quote_table};
 use crate::crash::{CrashHooks, CrashPoint, NoCrash};
 use crate::state::SnapshotState;
 use futures_util::{SinkExt, StreamExt};
@@ -241,10 +241,10 @@ pub(crate) async fn native_refusal(
         return Ok(None);
     }
     for table in &flow.tables {
-        let Some((schema, name)) = split_table(table) else {
+        let Some(quoted) = quote_table(table) else {
             continue;
         };
-        if partitioned(source, &format!("\"{schema}\".\"{name}\"")).await? {
+        if partitioned(source, &quoted).await? {
             return Ok(Some(format!(
                 "table {table} is partitioned, and native capture does not capture partitions under their table's name; use capture: external for this flow (its publication publishes via the partition root)"
             )));
@@ -588,10 +588,9 @@ impl PgSnapshot<'_> {
         let mut filtered = Vec::new();
         let mut partitioned = false;
         for table in &self.flow.tables {
-            let Some((schema, name)) = split_table(table) else {
+            let Some(quoted) = quote_table(table) else {
                 continue;
             };
-            let quoted = format!("\"{schema}\".\"{name}\"");
             partitioned |= crate::snapshot::partitioned(source, &quoted)
                 .await
                 .map_err(SnapshotError::Source)?;
@@ -699,7 +698,7 @@ impl SnapshotIo for PgSnapshot<'_> {
             .flow
             .tables
             .iter()
-            .filter_map(|t| split_table(t).map(|(s, n)| format!("\"{s}\".\"{n}\"")))
+            .filter_map(|t| quote_table(t))
             .collect();
         self.source
             .batch_execute(&format!(
@@ -857,10 +856,7 @@ impl SnapshotIo for PgSnapshot<'_> {
             });
         }
         let order = referenced_first(tables, &links);
-        let quoted: Vec<String> = order
-            .iter()
-            .filter_map(|t| split_table(t).map(|(s, n)| format!("\"{s}\".\"{n}\"")))
-            .collect();
+        let quoted: Vec<String> = order.iter().filter_map(|t| quote_table(t)).collect();
         // Emptying and every copy in one target transaction: a copy that
         // fails (or a signal) leaves every table as it was. No staging
         // table swapped in: that would change the table's OID under its
@@ -1069,9 +1065,8 @@ async fn copy_table(
         problem,
         hint: hint.to_owned(),
     };
-    let (schema, name) = split_table(table)
+    let qualified = quote_table(table)
         .ok_or_else(|| bad("is not schema.table".into(), "fix flows[].tables"))?;
-    let qualified = format!("\"{schema}\".\"{name}\"");
     let columns: Vec<String> = source
         .query(
             "SELECT quote_ident(attname) FROM pg_attribute

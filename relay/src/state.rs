@@ -150,7 +150,6 @@ pub async fn present(client: &Client) -> Result<bool, tokio_postgres::Error> {
                 AND to_regclass('trellara.quarantine') IS NOT NULL
                 AND to_regclass('trellara.snapshot_runs') IS NOT NULL
                 AND to_regclass('trellara.verify_runs') IS NOT NULL
-                AND to_regclass('trellara.flow_stops') IS NOT NULL
                 AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('trellara.snapshot_tables')
                             AND attname = 'fingerprint' AND NOT attisdropped)",
             &[],

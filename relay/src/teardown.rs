@@ -104,6 +104,8 @@ pub enum TeardownError {
     Running { flow: String, why: String },
     #[error("the source database")]
     Source(#[source] tokio_postgres::Error),
+    #[error("read the source's identity: {0}")]
+    Owner(String),
     #[error("the target database")]
     Target(#[source] tokio_postgres::Error),
     #[error("log directory {path}")]
@@ -116,8 +118,11 @@ pub enum TeardownError {
 
 /// Reads what teardown would remove; changes nothing.
 pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan, TeardownError> {
+    // A run holds the lock file beside the log even while its snapshot
+    // has removed the directory; look only when it exists (a dry run
+    // creates nothing).
     if let Some(dir) = flow.log_dir()
-        && dir.exists()
+        && crate::lock::lock_path(dir).exists()
         && crate::lock::try_lock(dir)
             .map_err(|source| TeardownError::LogDir {
                 path: dir.display().to_string(),
@@ -199,7 +204,10 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
         .map_err(TeardownError::Target)?
     {
         let mut rows = 0;
-        for table in STATE_TABLES {
+        for table in existing_state_tables(target)
+            .await
+            .map_err(TeardownError::Target)?
+        {
             rows += target
                 .query_one(
                     &format!("SELECT count(*) FROM {table} WHERE flow = $1"),
@@ -213,13 +221,24 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
             steps.push(Step::StateRows { rows });
         }
     }
-    let log_dir = flow.log_dir().map(std::path::Path::to_path_buf);
+    let mut log_dir = flow.log_dir().map(std::path::Path::to_path_buf);
     if let Some(dir) = &log_dir
         && dir.exists()
     {
-        steps.push(Step::LogDirectory {
-            path: dir.display().to_string(),
-        });
+        // Another flow's log (or one naming no owner) is not this flow's
+        // to remove.
+        let owner = crate::flow::log_owner(flow, source)
+            .await
+            .map_err(|e| TeardownError::Owner(e.to_string()))?;
+        match crate::identity::check_dir(dir, &owner) {
+            Ok(()) => steps.push(Step::LogDirectory {
+                path: dir.display().to_string(),
+            }),
+            Err(e) => {
+                kept.push(format!("log directory {}: {e}", dir.display()));
+                log_dir = None;
+            }
+        }
     }
     kept.push(format!(
         "the target tables {} and their rows",
@@ -292,7 +311,10 @@ pub async fn execute(
             }
             Step::StateRows { .. } => {
                 let mut sql = String::from("BEGIN;");
-                for table in STATE_TABLES {
+                for table in existing_state_tables(target)
+                    .await
+                    .map_err(TeardownError::Target)?
+                {
                     sql.push_str(&format!(
                         " DELETE FROM {table} WHERE flow = {};",
                         postgres_protocol::escape::escape_literal(&flow.name)
@@ -317,6 +339,24 @@ pub async fn execute(
         done.push(step.describe(&flow.name));
     }
     Ok(done)
+}
+
+/// The state tables the target has (one made by an older build may lack
+/// the newer ones).
+async fn existing_state_tables(
+    target: &Client,
+) -> Result<Vec<&'static str>, tokio_postgres::Error> {
+    let mut out = Vec::new();
+    for table in STATE_TABLES {
+        let exists: bool = target
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+            .await?
+            .get(0);
+        if exists {
+            out.push(table);
+        }
+    }
+    Ok(out)
 }
 
 /// Drops `slot` of the session's database if it exists; true when it did.

@@ -17,7 +17,7 @@
 //! Verify alone promotes a run from stream_handoff_ready to verified, and
 //! demotes verified to failed_recoverable on new evidence of divergence.
 
-use crate::config::{Flow, split_table};
+use crate::config::{Flow, quote_table};
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use crate::state::SnapshotState;
 use serde::Serialize;
@@ -370,9 +370,7 @@ async fn verify_table(
     table: &str,
     chunk_rows: u64,
 ) -> Result<TableEvidence, VerifyError> {
-    let (schema, name) =
-        split_table(table).ok_or_else(|| VerifyError::BadTable(table.to_owned()))?;
-    let qualified = format!("\"{schema}\".\"{name}\"");
+    let qualified = quote_table(table).ok_or_else(|| VerifyError::BadTable(table.to_owned()))?;
     let (columns, key) = shape(source, &qualified).await?;
     let key_columns: Vec<String> = key.iter().map(|(n, _)| n.clone()).collect();
     let key = ordered_key(source, target, &qualified, key).await?;

@@ -1814,7 +1814,7 @@ fn sigterm_stops_a_long_snapshot_copy_on(major: Major) {
         c.psql("CREATE TABLE public.big (id bigint PRIMARY KEY, v text)");
     }
     source.psql(
-        "INSERT INTO public.big SELECT i, repeat('x', 200) FROM generate_series(1, 1000000) i",
+        "INSERT INTO public.big SELECT i, repeat('x', 200) FROM generate_series(1, 400000) i",
     );
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();

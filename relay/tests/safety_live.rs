@@ -266,6 +266,17 @@ fn hostile_flows(major: Major) {
         assert_eq!(footprint(&c, "src2"), src2_before);
         assert_eq!(footprint(&c, "tgt2"), tgt2_before);
     }
+    // Nor does its teardown remove the other flow's log.
+    let text = exits(
+        &trellara(d, &["teardown", "--config", "two.yml", "--yes"]),
+        0,
+        "teardown of the other flow",
+    );
+    assert!(
+        text.contains("kept: log directory") && text.contains("belongs to flow one"),
+        "{text}"
+    );
+    assert!(d.join(".trellara/shared/log").exists());
     // The first flow's log is whole and still its own.
     c.try_connect("src")
         .expect("connect")
