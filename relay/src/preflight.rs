@@ -62,32 +62,18 @@ pub struct Assessment {
 impl Assessment {
     /// Each critical finding about this flow, with its fix.
     pub fn blockers(&self) -> Vec<String> {
-        let mut out: Vec<String> = self
+        let source = self
             .source
             .critical()
             .filter(|f| !(self.has_slot && f.rule == NO_FREE_SLOT))
-            .map(|f| {
-                let subject = f
-                    .subject
-                    .as_deref()
-                    .map(|s| format!(" ({s})"))
-                    .unwrap_or_default();
-                match &f.action {
-                    Some(a) => format!("source {}{subject}: {}\n    fix: {a}", f.rule, f.message),
-                    None => format!("source {}{subject}: {}", f.rule, f.message),
-                }
-            })
-            .collect();
-        out.extend(
-            self.flow
-                .iter()
-                .filter(|f| f.blocking)
-                .map(|f| match &f.action {
-                    Some(a) => format!("{} {}: {}\n    fix: {a}", f.side, f.check, f.detail),
-                    None => format!("{} {}: {}", f.side, f.check, f.detail),
-                }),
-        );
-        out
+            .map(|f| with_fix(format!("source {}", graded(f)), f.action.as_deref()));
+        let flow = self.flow.iter().filter(|f| f.blocking).map(|f| {
+            with_fix(
+                format!("{} {}: {}", f.side, f.check, f.detail),
+                f.action.as_deref(),
+            )
+        });
+        source.chain(flow).collect()
     }
 
     /// The grader's warnings (other slots, WAL headroom, ...): shown, not blocking.
@@ -96,14 +82,7 @@ impl Assessment {
             .findings
             .iter()
             .filter(|f| f.severity == trellara_check::Severity::Warning)
-            .map(|f| {
-                let subject = f
-                    .subject
-                    .as_deref()
-                    .map(|s| format!(" ({s})"))
-                    .unwrap_or_default();
-                format!("{}{subject}: {}", f.rule, f.message)
-            })
+            .map(graded)
             .collect()
     }
 
@@ -111,6 +90,22 @@ impl Assessment {
     /// could not read (never taken as fine).
     pub fn blocked(&self) -> bool {
         !self.blockers().is_empty() || self.source.verdict() == trellara_check::Verdict::Unassessed
+    }
+}
+
+/// `C06 (public.noid): message`.
+fn graded(f: &trellara_check::report::Finding) -> String {
+    match &f.subject {
+        Some(subject) => format!("{} ({subject}): {}", f.rule, f.message),
+        None => format!("{}: {}", f.rule, f.message),
+    }
+}
+
+/// `what`, and its fix on the next line when there is one.
+fn with_fix(what: String, fix: Option<&str>) -> String {
+    match fix {
+        Some(fix) => format!("{what}\n    fix: {fix}"),
+        None => what,
     }
 }
 

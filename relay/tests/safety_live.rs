@@ -77,6 +77,44 @@ fn config(flow: &str, source: &str, target: &str, tables: &[&str], log_dir: &str
     )
 }
 
+/// Writes `file` in `d`: flow `flow` with its own log, `./.trellara/<flow>/log`.
+fn write_flow(d: &Path, file: &str, flow: &str, source: &str, target: &str, tables: &[&str]) {
+    write_flow_logged(
+        d,
+        file,
+        flow,
+        source,
+        target,
+        tables,
+        &format!("./.trellara/{flow}/log"),
+    );
+}
+
+/// [`write_flow`] with the log in `log_dir`.
+fn write_flow_logged(
+    d: &Path,
+    file: &str,
+    flow: &str,
+    source: &str,
+    target: &str,
+    tables: &[&str],
+    log_dir: &str,
+) {
+    std::fs::write(d.join(file), config(flow, source, target, tables, log_dir))
+        .expect("write config");
+}
+
+/// Creates each database of `names` on `c` and runs `sql` in it.
+fn databases(c: &Cluster, names: &[&str], sql: &str) {
+    for db in names {
+        c.psql(&format!("CREATE DATABASE {db}"));
+        c.try_connect(db)
+            .expect("connect")
+            .batch_execute(sql)
+            .expect("schema");
+    }
+}
+
 #[test]
 fn hostile_flows_are_refused_before_anything_changes_pg15() {
     hostile_flows(Major::Pg15);
@@ -125,11 +163,7 @@ fn hostile_flows(major: Major) {
     };
     // Whatever the umask, what trellara writes is its owner's alone.
     nix::sys::stat::umask(nix::sys::stat::Mode::empty());
-    for db in ["src", "tgt", "src2", "tgt2"] {
-        c.psql(&format!("CREATE DATABASE {db}"));
-        let mut client = c.try_connect(db).expect("connect");
-        client.batch_execute(TABLES).expect("tables");
-    }
+    databases(&c, &["src", "tgt", "src2", "tgt2"], TABLES);
     // A target role that is no superuser and may only use its own tables.
     c.psql("CREATE ROLE app LOGIN");
     for db in ["src", "tgt"] {
@@ -161,17 +195,14 @@ fn hostile_flows(major: Major) {
     };
 
     // The source database itself as the target, over its socket, as app.
-    std::fs::write(
-        d.join("same.yml"),
-        config(
-            "same",
-            &tcp("src"),
-            &socket("app", "src"),
-            &["public.orders"],
-            "./.trellara/same/log",
-        ),
-    )
-    .expect("write");
+    write_flow(
+        d,
+        "same.yml",
+        "same",
+        &tcp("src"),
+        &socket("app", "src"),
+        &["public.orders"],
+    );
     for args in [
         &["preflight", "--config", "same.yml"][..],
         &["run", "--config", "same.yml", "--local"],
@@ -186,17 +217,14 @@ fn hostile_flows(major: Major) {
     assert!(!d.join(".trellara/same/log").exists(), "no log was made");
 
     // A table whose UPDATE and DELETE would fail on the source once published.
-    std::fs::write(
-        d.join("nokey.yml"),
-        config(
-            "nokey",
-            &tcp("src"),
-            &tcp("tgt"),
-            &["public.orders", "public.nokey"],
-            "./.trellara/nokey/log",
-        ),
-    )
-    .expect("write");
+    write_flow(
+        d,
+        "nokey.yml",
+        "nokey",
+        &tcp("src"),
+        &tcp("tgt"),
+        &["public.orders", "public.nokey"],
+    );
     for args in [
         &["run", "--config", "nokey.yml", "--local"][..],
         &["reseed", "--config", "nokey.yml"],
@@ -222,17 +250,15 @@ fn hostile_flows(major: Major) {
 
     // A flow on another database of this cluster is fine (the nonce
     // session is seen, but in another database), and owns its log.
-    std::fs::write(
-        d.join("one.yml"),
-        config(
-            "one",
-            &tcp("src"),
-            &socket("app", "tgt"),
-            &["public.orders"],
-            "./.trellara/shared/log",
-        ),
-    )
-    .expect("write");
+    write_flow_logged(
+        d,
+        "one.yml",
+        "one",
+        &tcp("src"),
+        &socket("app", "tgt"),
+        &["public.orders"],
+        "./.trellara/shared/log",
+    );
     let text = exits(
         &trellara(d, &["run", "--config", "one.yml", "--local", "--verify"]),
         0,
@@ -246,17 +272,15 @@ fn hostile_flows(major: Major) {
     // Another flow, from another source database, pointed at that log.
     let src2_before = footprint(&c, "src2");
     let tgt2_before = footprint(&c, "tgt2");
-    std::fs::write(
-        d.join("two.yml"),
-        config(
-            "two",
-            &tcp("src2"),
-            &tcp("tgt2"),
-            &["public.orders"],
-            "./.trellara/shared/log",
-        ),
-    )
-    .expect("write");
+    write_flow_logged(
+        d,
+        "two.yml",
+        "two",
+        &tcp("src2"),
+        &tcp("tgt2"),
+        &["public.orders"],
+        "./.trellara/shared/log",
+    );
     for args in [
         &["run", "--config", "two.yml", "--local"][..],
         &["preflight", "--config", "two.yml"],
@@ -386,17 +410,14 @@ fn asynchronous_commits(major: Major) {
     target.psql(TABLES);
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    std::fs::write(
-        d.join("trellara.yml"),
-        config(
-            "lazy",
-            &source.connection_string("postgres"),
-            &target.connection_string("postgres"),
-            &["public.orders"],
-            "./.trellara/lazy/log",
-        ),
-    )
-    .expect("write");
+    write_flow(
+        d,
+        "trellara.yml",
+        "lazy",
+        &source.connection_string("postgres"),
+        &target.connection_string("postgres"),
+        &["public.orders"],
+    );
     exits(
         &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
         0,
@@ -454,26 +475,17 @@ fn teardown(major: Major) {
     let Some(c) = test_cluster(major, &ClusterOptions::new()) else {
         return;
     };
-    for db in ["src", "tgt"] {
-        c.psql(&format!("CREATE DATABASE {db}"));
-        c.try_connect(db)
-            .expect("connect")
-            .batch_execute(TABLES)
-            .expect("tables");
-    }
+    databases(&c, &["src", "tgt"], TABLES);
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    std::fs::write(
-        d.join("trellara.yml"),
-        config(
-            "t",
-            &c.connection_string("src"),
-            &c.connection_string("tgt"),
-            &["public.orders"],
-            "./.trellara/t/log",
-        ),
-    )
-    .expect("write");
+    write_flow(
+        d,
+        "trellara.yml",
+        "t",
+        &c.connection_string("src"),
+        &c.connection_string("tgt"),
+        &["public.orders"],
+    );
     let slots = || c.psql_value("SELECT count(*) FROM pg_replication_slots");
     let publications = || {
         c.try_connect("src")
@@ -625,26 +637,17 @@ fn stops_are_visible(major: Major) {
     ) else {
         return;
     };
-    for db in ["src", "tgt"] {
-        c.psql(&format!("CREATE DATABASE {db}"));
-        c.try_connect(db)
-            .expect("connect")
-            .batch_execute(TABLES)
-            .expect("tables");
-    }
+    databases(&c, &["src", "tgt"], TABLES);
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    std::fs::write(
-        d.join("trellara.yml"),
-        config(
-            "s",
-            &c.connection_string("src"),
-            &c.connection_string("tgt"),
-            &["public.orders"],
-            "./.trellara/s/log",
-        ),
-    )
-    .expect("write");
+    write_flow(
+        d,
+        "trellara.yml",
+        "s",
+        &c.connection_string("src"),
+        &c.connection_string("tgt"),
+        &["public.orders"],
+    );
     let status = |format: &str| {
         let out = trellara(
             d,
@@ -774,22 +777,15 @@ fn stops_are_visible(major: Major) {
     );
 
     // A first run's slot creation waits on it, and says so with the gid.
-    c.psql("CREATE DATABASE tgt3");
-    c.try_connect("tgt3")
-        .expect("connect")
-        .batch_execute(TABLES)
-        .expect("tables");
-    std::fs::write(
-        d.join("p.yml"),
-        config(
-            "p",
-            &c.connection_string("src"),
-            &c.connection_string("tgt3"),
-            &["public.orders"],
-            "./.trellara/p/log",
-        ),
-    )
-    .expect("write");
+    databases(&c, &["tgt3"], TABLES);
+    write_flow(
+        d,
+        "p.yml",
+        "p",
+        &c.connection_string("src"),
+        &c.connection_string("tgt3"),
+        &["public.orders"],
+    );
     let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
         .current_dir(d)
         .args(["run", "--config", "p.yml", "--local"])
@@ -847,13 +843,7 @@ fn sequences(major: Major) {
     };
     let schema = "CREATE TABLE public.ids (id bigserial PRIMARY KEY, v text);
                   CREATE TABLE public.idn (id int GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, v text);";
-    for db in ["src", "tgt"] {
-        c.psql(&format!("CREATE DATABASE {db}"));
-        c.try_connect(db)
-            .expect("connect")
-            .batch_execute(schema)
-            .expect("tables");
-    }
+    databases(&c, &["src", "tgt"], schema);
     let mut src = c.try_connect("src").expect("connect");
     src.batch_execute(
         "INSERT INTO public.ids (v) SELECT 'v' FROM generate_series(1, 50);
@@ -862,17 +852,14 @@ fn sequences(major: Major) {
     .expect("rows");
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    std::fs::write(
-        d.join("trellara.yml"),
-        config(
-            "q",
-            &c.connection_string("src"),
-            &c.connection_string("tgt"),
-            &["public.ids", "public.idn"],
-            "./.trellara/q/log",
-        ),
-    )
-    .expect("write");
+    write_flow(
+        d,
+        "trellara.yml",
+        "q",
+        &c.connection_string("src"),
+        &c.connection_string("tgt"),
+        &["public.ids", "public.idn"],
+    );
     let text = exits(
         &trellara(
             d,
@@ -944,17 +931,7 @@ fn a_peer_that_never_answers_is_an_error_within_connect_timeout() {
     let url = format!("postgresql://u@127.0.0.1:{port}/db?connect_timeout=1");
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    std::fs::write(
-        d.join("trellara.yml"),
-        config(
-            "mute",
-            &url,
-            &url,
-            &["public.orders"],
-            "./.trellara/mute/log",
-        ),
-    )
-    .expect("write");
+    write_flow(d, "trellara.yml", "mute", &url, &url, &["public.orders"]);
     for (args, code) in [
         (&["check", "--database-url", &url][..], 2),
         (&["preflight", "--config", "trellara.yml"], 2),
