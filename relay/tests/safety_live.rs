@@ -77,6 +77,14 @@ fn config(flow: &str, source: &str, target: &str, tables: &[&str], log_dir: &str
     )
 }
 
+/// Runs `scenario` on each supported major, naming it on stderr.
+fn on_every_major(scenario: impl Fn(Major)) {
+    for major in Major::ALL {
+        eprintln!("on {major}");
+        scenario(major);
+    }
+}
+
 /// Writes `file` in `d`: flow `flow` with its own log, `./.trellara/<flow>/log`.
 fn write_flow(d: &Path, file: &str, flow: &str, source: &str, target: &str, tables: &[&str]) {
     write_flow_logged(
@@ -388,10 +396,7 @@ fn init_gives_each_config_its_own_log() {
 
 #[test]
 fn a_stopping_run_applies_asynchronous_commits_and_lag_is_behind_not_diverged() {
-    for major in Major::ALL {
-        eprintln!("on {major}");
-        asynchronous_commits(major);
-    }
+    on_every_major(asynchronous_commits);
 }
 
 /// Transactions committed with `synchronous_commit = off` (the walwriter
@@ -465,10 +470,7 @@ fn asynchronous_commits(major: Major) {
 
 #[test]
 fn teardown_removes_what_a_flow_left_and_a_failed_first_run_leaves_nothing() {
-    for major in Major::ALL {
-        eprintln!("on {major}");
-        teardown(major);
-    }
+    on_every_major(teardown);
 }
 
 fn teardown(major: Major) {
@@ -621,10 +623,7 @@ fn teardown(major: Major) {
 
 #[test]
 fn status_and_repair_plan_name_every_stop_with_its_command() {
-    for major in Major::ALL {
-        eprintln!("on {major}");
-        stops_are_visible(major);
-    }
+    on_every_major(stops_are_visible);
 }
 
 /// A schema drift that stopped capture, and a slot dropped behind the
@@ -827,10 +826,7 @@ fn stops_are_visible(major: Major) {
 
 #[test]
 fn sequences_are_brought_forward_and_one_behind_is_a_note() {
-    for major in Major::ALL {
-        eprintln!("on {major}");
-        sequences(major);
-    }
+    on_every_major(sequences);
 }
 
 /// The serial and identity sequences of the flow's tables reach the
