@@ -96,7 +96,20 @@ fn run(args: Args) -> i32 {
                 return 2;
             }
         }
-        None => print!("{rendered}"),
+        // A reader that stopped early (`| head`) is not an error, and must
+        // not panic the way print! does on EPIPE.
+        None => {
+            use std::io::Write;
+            let mut stdout = std::io::stdout().lock();
+            if let Err(e) = stdout
+                .write_all(rendered.as_bytes())
+                .and_then(|()| stdout.flush())
+                && e.kind() != std::io::ErrorKind::BrokenPipe
+            {
+                eprintln!("trellara-check: could not write the report: {e}");
+                return 2;
+            }
+        }
     }
     if let Some(path) = &args.write_config {
         match config_draft::write(&report, &args.tables, path) {

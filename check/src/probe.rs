@@ -127,22 +127,9 @@ fn boolean(row: &Row, col: &str) -> Option<bool> {
     }
 }
 
-/// An identifier for statements shown to people: plain when plain (as
-/// PostgreSQL's `quote_ident` leaves it), else quoted by postgres-protocol.
-pub fn quote_ident(name: &str) -> String {
-    let plain = name
-        .chars()
-        .next()
-        .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
-        && name
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if plain {
-        name.to_owned()
-    } else {
-        postgres_protocol::escape::escape_identifier(name)
-    }
-}
+/// An identifier for statements shown to people: plain when plain, else
+/// quoted by postgres-protocol.
+pub use trellara_common::table_name::display_ident as quote_ident;
 
 /// Reads every fact inside one read-only transaction, then commits it.
 pub(crate) async fn gather(

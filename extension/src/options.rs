@@ -6,6 +6,7 @@
 
 use crate::error::PluginError;
 use trellara_common::native_frame::{MAX_FRAME_BYTES, MIN_FRAME_BYTES};
+use trellara_common::table_name::TableName;
 
 /// Default envelope size target: 1 MiB.
 pub const DEFAULT_CHUNK_BYTES: usize = 1024 * 1024;
@@ -45,7 +46,7 @@ pub struct Options {
     pub memory_budget_bytes: usize,
     pub origin: OriginFilter,
     /// Only these relations (`schema.table`) are captured; all when `None`.
-    pub tables: Option<Vec<String>>,
+    pub tables: Option<Vec<TableName>>,
 }
 
 impl Default for Options {
@@ -128,20 +129,12 @@ pub fn parse(pairs: &[(String, Option<String>)]) -> Result<Options, PluginError>
                 }
             }
             "tables" => {
-                let mut tables = Vec::new();
-                for item in required(name, value)?.split(',') {
-                    let item = item.trim();
-                    let valid = item
-                        .split_once('.')
-                        .is_some_and(|(schema, table)| !schema.is_empty() && !table.is_empty());
-                    if !valid {
-                        return Err(PluginError::invalid_option(format!(
-                            "trellara: option \"tables\" lists \"{item}\", which is not schema.table"
-                        ))
-                        .hint("Give a comma-separated list such as public.orders,public.line_items."));
-                    }
-                    tables.push(item.to_owned());
-                }
+                let tables = TableName::parse_list(required(name, value)?).map_err(|(item, e)| {
+                    PluginError::invalid_option(format!(
+                        "trellara: option \"tables\" lists \"{item}\", which {e}"
+                    ))
+                    .hint("Give a comma-separated list such as public.orders,public.\"LineItems\" (SQL spelling: quoted names are exact, others fold to lower case).")
+                })?;
                 options.tables = Some(tables);
             }
             "protocol_version" => {
@@ -182,12 +175,12 @@ mod tests {
             ("max_frame_bytes", Some("41")),
             ("chunk_bytes", Some("4096")),
             ("origin", Some("none")),
-            ("tables", Some("public.a, s.b")),
+            ("tables", Some("public.a, s.\"B\"")),
         ]))
         .unwrap_or_else(|e| panic!("{e:?}"));
         assert_eq!(
             o.tables,
-            Some(vec!["public.a".to_owned(), "s.b".to_owned()])
+            Some(vec![TableName::new("public", "a"), TableName::new("s", "B")])
         );
         assert_eq!(o.source_id.as_deref(), Some("src"));
         assert_eq!((o.max_frame_bytes, o.chunk_bytes), (41, 4096));

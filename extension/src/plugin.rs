@@ -393,7 +393,7 @@ unsafe fn heap_tuple(tuple: pg_sys::HeapTuple) -> pg_sys::HeapTuple {
 }
 
 fn qualified(info: &RelationInfo) -> String {
-    format!("{}.{}", info.schema.namespace, info.schema.name)
+    trellara_common::table_name::TableName::new(&info.schema.namespace, &info.schema.name).to_string()
 }
 
 /// # Safety
@@ -551,7 +551,7 @@ fn captured(options: &crate::options::Options, info: &RelationInfo) -> bool {
     options.tables.as_ref().is_none_or(|tables| {
         tables
             .iter()
-            .any(|t| t.split_once('.') == Some((&info.schema.namespace, &info.schema.name)))
+            .any(|t| t.schema == info.schema.namespace && t.name == info.schema.name)
     })
 }
 

@@ -41,6 +41,7 @@ use trellara_common::envelope::{
     boundary, capture, change, value,
 };
 use trellara_common::fingerprint::fingerprint;
+use trellara_common::table_name::TableName;
 
 #[derive(Debug, Clone)]
 pub struct AssemblerConfig {
@@ -468,7 +469,7 @@ impl Assembler {
             fingerprint: 0,
         };
         schema.fingerprint = fingerprint(&schema);
-        let qualified = format!("{}.{}", schema.namespace, schema.name);
+        let qualified = TableName::new(&schema.namespace, &schema.name).to_string();
         match self.pinned.get(&qualified) {
             Some(&pinned) if pinned != schema.fingerprint => {
                 return Err(AssemblyError::SchemaDrift {
@@ -512,7 +513,7 @@ impl Assembler {
         if columns.len() != relation.columns.len() {
             return Err(AssemblyError::TupleWidth {
                 operation,
-                relation: format!("{}.{}", relation.namespace, relation.name),
+                relation: TableName::new(&relation.namespace, &relation.name).to_string(),
                 expected: relation.columns.len(),
                 found: columns.len(),
             });
@@ -529,7 +530,8 @@ impl Assembler {
                     Column::Text(t) => {
                         value::Kind::Text(String::from_utf8(t.to_vec()).map_err(|_| {
                             AssemblyError::NotUtf8 {
-                                relation: format!("{}.{}", relation.namespace, relation.name),
+                                relation: TableName::new(&relation.namespace, &relation.name)
+                                    .to_string(),
                                 column: schema.name.clone(),
                             }
                         })?)

@@ -11,6 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use trellara_common::table_name::TableName;
 
 pub const SCHEMA_VERSION: u32 = 2;
 
@@ -69,6 +70,10 @@ pub struct Source {
 pub struct Target {
     #[serde(flatten)]
     pub url: SecretRef,
+    /// A throwaway local cluster `init --evaluate` made in this directory
+    /// (relative: to the config file's) instead of a URL (crate::throwaway).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throwaway: Option<PathBuf>,
 }
 
 /// A connection string given inline (`url`), by environment variable
@@ -207,6 +212,10 @@ fn default_log_dir() -> PathBuf {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ConfigIssue {
     pub field: String,
+    /// The field's line in the file (or its nearest enclosing one's, for
+    /// a field that is missing), when the issue came from a file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub line: Option<usize>,
     pub problem: String,
     pub fix: String,
 }
@@ -215,6 +224,7 @@ impl ConfigIssue {
     pub fn new(field: String, problem: String, fix: String) -> Self {
         ConfigIssue {
             field,
+            line: None,
             problem,
             fix,
         }
@@ -223,8 +233,160 @@ impl ConfigIssue {
 
 impl std::fmt::Display for ConfigIssue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}\n  fix: {}", self.field, self.problem, self.fix)
+        write!(f, "{}", self.field)?;
+        if let Some(line) = self.line {
+            write!(f, " (line {line})")?;
+        }
+        write!(f, ": {}\n  fix: {}", self.problem, self.fix)
     }
+}
+
+/// A [`parse`] error as an issue: serde_yaml names the field path first
+/// (`flows[0].source: unknown field ...`) and the line last.
+pub fn parse_issue(message: &str) -> ConfigIssue {
+    let (first, hint) = message.split_once("\nhint: ").unwrap_or((message, ""));
+    let (field, problem) = match first.split_once(": ") {
+        Some((field, problem)) if !field.contains(' ') => (field, problem),
+        _ => ("(file)", first),
+    };
+    let line = problem
+        .rsplit_once(" at line ")
+        .and_then(|(_, at)| at.split(' ').next()?.parse().ok());
+    ConfigIssue {
+        field: field.to_owned(),
+        line,
+        problem: problem.to_owned(),
+        fix: if hint.is_empty() {
+            "see docs/CONFIG.md for every field (schema_version: 2)".into()
+        } else {
+            hint.to_owned()
+        },
+    }
+}
+
+/// `issues` with the line of each one's field in `text`.
+pub fn located(text: &str, mut issues: Vec<ConfigIssue>) -> Vec<ConfigIssue> {
+    for issue in &mut issues {
+        issue.line = line_of(text, &issue.field);
+    }
+    issues
+}
+
+/// One step of a field path: `flows[0].tables[1]` is flows, 0, tables, 1.
+#[derive(Debug, Clone, PartialEq)]
+enum Step {
+    Key(String),
+    Index(usize),
+}
+
+fn steps(field: &str) -> Vec<Step> {
+    let mut out = Vec::new();
+    for part in field.split('.') {
+        let (key, rest) = part.split_once('[').unwrap_or((part, ""));
+        if !key.is_empty() {
+            out.push(Step::Key(key.to_owned()));
+        }
+        for index in rest.split('[') {
+            if let Ok(i) = index.trim_end_matches(']').parse() {
+                out.push(Step::Index(i));
+            }
+        }
+    }
+    out
+}
+
+/// The line of `field` in the YAML `text`, or of its longest enclosing
+/// field that the text has. Reads the text's events, not its values.
+pub fn line_of(text: &str, field: &str) -> Option<usize> {
+    use yaml_rust2::parser::{Event, MarkedEventReceiver, Parser};
+    use yaml_rust2::scanner::Marker;
+    enum Frame {
+        Map { key: Option<String> },
+        Seq { next: usize },
+    }
+    struct Finder {
+        want: Vec<Step>,
+        frames: Vec<Frame>,
+        path: Vec<Step>,
+        best: Option<(usize, usize)>,
+    }
+    impl Finder {
+        fn seen(&mut self, path: &[Step], line: usize) {
+            if self.want.starts_with(path) && self.best.is_none_or(|(len, _)| path.len() > len) {
+                self.best = Some((path.len(), line));
+            }
+        }
+        /// The path of the node starting now, and whether it is a key.
+        fn position(&self) -> (Vec<Step>, bool) {
+            let mut path = self.path.clone();
+            match self.frames.last() {
+                Some(Frame::Map { key: None }) => return (path, true),
+                Some(Frame::Map { key: Some(k) }) => path.push(Step::Key(k.clone())),
+                Some(Frame::Seq { next }) => path.push(Step::Index(*next)),
+                None => {}
+            }
+            (path, false)
+        }
+        fn advance(&mut self) {
+            match self.frames.last_mut() {
+                Some(Frame::Map { key }) => *key = None,
+                Some(Frame::Seq { next }) => *next += 1,
+                None => {}
+            }
+        }
+    }
+    impl MarkedEventReceiver for Finder {
+        fn on_event(&mut self, event: Event, mark: Marker) {
+            match event {
+                Event::Scalar(value, ..) => match self.position() {
+                    (mut path, true) => {
+                        path.push(Step::Key(value.clone()));
+                        self.seen(&path, mark.line());
+                        if let Some(Frame::Map { key }) = self.frames.last_mut() {
+                            *key = Some(value);
+                        }
+                    }
+                    (path, false) => {
+                        self.seen(&path, mark.line());
+                        self.advance();
+                    }
+                },
+                Event::Alias(_) => {
+                    let (path, _) = self.position();
+                    self.seen(&path, mark.line());
+                    self.advance();
+                }
+                Event::MappingStart(..) | Event::SequenceStart(..) => {
+                    let (path, _) = self.position();
+                    self.seen(&path, mark.line());
+                    self.path = path;
+                    self.frames
+                        .push(if matches!(event, Event::MappingStart(..)) {
+                            Frame::Map { key: None }
+                        } else {
+                            Frame::Seq { next: 0 }
+                        });
+                }
+                Event::MappingEnd | Event::SequenceEnd => {
+                    self.frames.pop();
+                    // The enclosing frame's own step comes off the path.
+                    if !self.frames.is_empty() {
+                        self.path.pop();
+                    }
+                    self.advance();
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut finder = Finder {
+        want: steps(field),
+        frames: Vec::new(),
+        path: Vec::new(),
+        best: None,
+    };
+    Parser::new_from_str(text).load(&mut finder, false).ok()?;
+    finder.best.map(|(_, line)| line)
 }
 
 impl std::error::Error for ConfigIssue {}
@@ -264,11 +426,17 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
     if !issues.is_empty() {
         return Err(ConfigError::Invalid {
             path: path.display().to_string(),
-            issues,
+            issues: located(&text, issues),
         });
     }
     let base = path.parent().unwrap_or(Path::new("."));
     for flow in &mut config.flows {
+        canonical_tables(flow);
+        if let Some(dir) = &mut flow.target.throwaway
+            && dir.is_relative()
+        {
+            *dir = std::path::absolute(base.join(&*dir)).unwrap_or_else(|_| base.join(&*dir));
+        }
         if let Transport::Local { log_dir, .. } | Transport::Kafka { log_dir, .. } =
             &mut flow.transport
             && log_dir.is_relative()
@@ -277,6 +445,16 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
         }
     }
     Ok(config)
+}
+
+/// Each table in its one display form (`public."Sales"`, `public.sales`
+/// for `public.Sales`), the key under which state and pins name it.
+pub fn canonical_tables(flow: &mut Flow) {
+    for table in &mut flow.tables {
+        if let Ok(name) = TableName::parse(table) {
+            *table = name.to_string();
+        }
+    }
 }
 
 pub fn parse(text: &str) -> Result<Config, String> {
@@ -395,11 +573,20 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
                 );
             }
         }
+        if flow.target.throwaway.is_some() && config.environment == Environment::Production {
+            issue(
+                at("target.throwaway"),
+                "a throwaway target is refused in environment: production".into(),
+                "point the target at a real database with url_env or url_file",
+            );
+        }
         for (side, secret) in [("source", &flow.source.url), ("target", &flow.target.url)] {
+            let throwaway = side == "target" && flow.target.throwaway.is_some();
             let set = [
                 secret.url.is_some(),
                 secret.url_env.is_some(),
                 secret.url_file.is_some(),
+                throwaway,
             ]
             .iter()
             .filter(|&&b| b)
@@ -407,8 +594,16 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
             if set != 1 {
                 issue(
                     at(side),
-                    format!("has {set} of url, url_env, url_file"),
-                    "give exactly one of url, url_env or url_file",
+                    if side == "target" {
+                        format!("has {set} of url, url_env, url_file, throwaway")
+                    } else {
+                        format!("has {set} of url, url_env, url_file")
+                    },
+                    if side == "target" {
+                        "give exactly one of url, url_env, url_file or throwaway"
+                    } else {
+                        "give exactly one of url, url_env or url_file"
+                    },
                 );
             }
             if secret.url.is_some() && config.environment == Environment::Production {
@@ -449,31 +644,37 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
                 "list the tables to replicate, e.g. [public.sales]",
             );
         }
+        let mut seen = Vec::new();
         for (t, table) in flow.tables.iter().enumerate() {
-            match split_table(table) {
-                None => issue(
+            match TableName::parse(table) {
+                Err(e) => issue(
                     format!("flows[{i}].tables[{t}]"),
-                    format!("{table:?} is not schema.table"),
-                    "qualify the table, e.g. public.sales",
+                    format!("{table:?} {e}"),
+                    "write schema.table as SQL does: public.sales, or public.\"Sales\" for a mixed-case name",
                 ),
                 // Trellara's own state and the catalog are never data to move:
                 // applying them would overwrite the target's checkpoints.
-                Some((schema, _))
-                    if matches!(schema, "trellara" | "pg_catalog" | "information_schema")
-                        || schema.starts_with("pg_toast") =>
+                Ok(name)
+                    if matches!(
+                        name.schema.as_str(),
+                        "trellara" | "pg_catalog" | "information_schema"
+                    ) || name.schema.starts_with("pg_toast") =>
                 {
                     issue(
                         format!("flows[{i}].tables[{t}]"),
-                        format!("{table} is in schema {schema}, which is not replicated"),
+                        format!(
+                            "{table} is in schema {}, which is not replicated",
+                            name.schema
+                        ),
                         "list only the application's tables",
                     )
                 }
-                Some(_) if flow.tables[..t].contains(table) => issue(
+                Ok(name) if seen.contains(&name) => issue(
                     format!("flows[{i}].tables[{t}]"),
-                    format!("{table} is listed twice"),
+                    format!("{table} is listed twice (as {name})"),
                     "list each table once",
                 ),
-                Some(_) => {}
+                Ok(name) => seen.push(name),
             }
         }
         if let Transport::Kafka { topic, .. } = &flow.transport
@@ -517,25 +718,7 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
 
 /// `schema.table` quoted for SQL (postgres-protocol's escape_identifier).
 pub fn quote_table(name: &str) -> Option<String> {
-    split_table(name).map(|(schema, table)| {
-        format!(
-            "{}.{}",
-            postgres_protocol::escape::escape_identifier(schema),
-            postgres_protocol::escape::escape_identifier(table)
-        )
-    })
-}
-
-/// `schema.table` -> (schema, table); plain lower-case identifiers only.
-pub fn split_table(name: &str) -> Option<(&str, &str)> {
-    let (schema, table) = name.split_once('.')?;
-    let ok = |s: &str| {
-        !s.is_empty()
-            && s.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
-            && !s.as_bytes()[0].is_ascii_digit()
-    };
-    (ok(schema) && ok(table)).then_some((schema, table))
+    TableName::parse(name).ok().map(|t| t.quoted())
 }
 
 impl Flow {
@@ -673,6 +856,91 @@ flows:
             ]
         );
         assert!(issues.iter().all(|i| !i.fix.is_empty()));
+    }
+
+    #[test]
+    fn each_issue_names_its_line() {
+        let bad = GOOD
+            .replace("schema_version: 2", "schema_version: 1")
+            .replace("name: shop", "name: Shop!")
+            .replace("public.line_items", "line_items")
+            .replace(
+                "    target:\n      url_env: TARGET_URL\n",
+                "    target: {}\n",
+            );
+        let issues = located(&bad, validate(&parse(&bad).expect("parses")));
+        let lines: Vec<(&str, Option<usize>)> =
+            issues.iter().map(|i| (i.field.as_str(), i.line)).collect();
+        // GOOD starts with an empty line: schema_version is on line 2.
+        assert_eq!(
+            lines,
+            [
+                ("schema_version", Some(2)),
+                ("flows[0].name", Some(5)),
+                // A field the text lacks: the line of what encloses it.
+                ("flows[0].target", Some(8)),
+                ("flows[0].tables[1]", Some(9)),
+            ]
+        );
+        assert!(
+            issues[3]
+                .to_string()
+                .starts_with("flows[0].tables[1] (line 9): ")
+        );
+        let block = "flows:\n  - name: a\n  - name: b\n    tables:\n      - x.y\n      - z\n";
+        assert_eq!(line_of(block, "flows[1].tables[1]"), Some(6));
+        assert_eq!(line_of(block, "flows[1].name"), Some(3));
+        assert_eq!(line_of(block, "flows[0].tables"), Some(2));
+    }
+
+    #[test]
+    fn a_parse_error_names_its_field_and_line() {
+        let bad = GOOD.replace("url_env: TARGET_URL", "url_env: TARGET_URL\n      bogus: 1");
+        let issue = parse_issue(&parse(&bad).expect_err("unknown field"));
+        assert_eq!(issue.field, "flows[0].target");
+        assert!(
+            issue.line.is_some_and(|l| (7..=9).contains(&l)),
+            "{issue:?}"
+        );
+        assert!(issue.problem.contains("unknown field `bogus`"), "{issue:?}");
+        assert!(issue.fix.contains("docs/CONFIG.md"), "{issue:?}");
+    }
+
+    #[test]
+    fn mixed_case_tables_are_as_sql_spells_them() {
+        let text = GOOD.replace(
+            "[public.orders, public.line_items]",
+            "[public.orders, 'public.\"Sales\"', Public.Orders, 'public.\"bad']",
+        );
+        let mut config = parse(&text).expect("parses");
+        let issues = validate(&config);
+        let problems: Vec<(&str, &str)> = issues
+            .iter()
+            .map(|i| (i.field.as_str(), i.problem.as_str()))
+            .collect();
+        assert_eq!(
+            problems,
+            [
+                (
+                    "flows[0].tables[2]",
+                    "Public.Orders is listed twice (as public.orders)"
+                ),
+                (
+                    "flows[0].tables[3]",
+                    "\"public.\\\"bad\" has a quoted identifier without its closing \""
+                ),
+            ]
+        );
+        config.flows[0].tables.truncate(2);
+        canonical_tables(&mut config.flows[0]);
+        assert_eq!(
+            config.flows[0].tables,
+            ["public.orders", "public.\"Sales\""]
+        );
+        assert_eq!(
+            quote_table(&config.flows[0].tables[1]).as_deref(),
+            Some("\"public\".\"Sales\"")
+        );
     }
 
     #[test]

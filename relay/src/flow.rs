@@ -26,6 +26,8 @@ use trellara_external_relay::pgoutput::ProtoVersion;
 pub enum FlowError {
     #[error("{0}")]
     Config(#[from] crate::config::ConfigIssue),
+    #[error("throwaway target: {0}")]
+    Throwaway(#[from] crate::throwaway::ThrowawayError),
     #[error("connect to the {side} database ({target}): {source}")]
     Connect {
         side: &'static str,
@@ -386,7 +388,11 @@ pub fn redact(url: &str) -> String {
 /// Source and target URLs of a flow, resolved from their references.
 pub fn urls(flow: &Flow, index: usize) -> Result<(String, String), FlowError> {
     let source = flow.source.url.resolve(&format!("flows[{index}].source"))?;
-    let target = flow.target.url.resolve(&format!("flows[{index}].target"))?;
+    let target = match &flow.target.throwaway {
+        // Started when a command first needs it, left running until teardown.
+        Some(dir) => crate::throwaway::start(dir)?,
+        None => flow.target.url.resolve(&format!("flows[{index}].target"))?,
+    };
     Ok((source, target))
 }
 

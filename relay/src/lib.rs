@@ -21,4 +21,5 @@ pub mod sim;
 pub mod snapshot;
 pub mod state;
 pub mod teardown;
+pub mod throwaway;
 pub mod verify;

@@ -96,7 +96,7 @@ struct TableWrites {
 }
 
 fn quote(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
+    postgres_protocol::escape::escape_identifier(name)
 }
 
 fn text(v: &envelope::Value) -> Option<Option<String>> {

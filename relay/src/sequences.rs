@@ -6,7 +6,7 @@
 //! target ahead stays ahead. Sequences are not transactional, so verify
 //! reports one that is behind as a note, not a divergence.
 
-use crate::config::{Flow, split_table};
+use crate::config::{Flow, quote_table};
 use tokio_postgres::Client;
 
 /// A sequence owned by a column of a flow table.
@@ -38,14 +38,9 @@ pub async fn owned(
 ) -> Result<Vec<Owned>, tokio_postgres::Error> {
     let mut out = Vec::new();
     for table in &flow.tables {
-        let Some((schema, name)) = split_table(table) else {
+        let Some(qualified) = quote_table(table) else {
             continue;
         };
-        let qualified = format!(
-            "{}.{}",
-            postgres_protocol::escape::escape_identifier(schema),
-            postgres_protocol::escape::escape_identifier(name)
-        );
         let columns = source
             .query(
                 "SELECT a.attname::text, pg_get_serial_sequence($1, a.attname)

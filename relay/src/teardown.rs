@@ -64,6 +64,10 @@ pub enum Step {
     LogDirectory {
         path: String,
     },
+    /// The throwaway target `init --evaluate` made (crate::throwaway).
+    ThrowawayTarget {
+        path: String,
+    },
 }
 
 impl Step {
@@ -82,6 +86,9 @@ impl Step {
                 STATE_TABLES.join(", ")
             ),
             Step::LogDirectory { path } => format!("log directory {path} (and its lock file)"),
+            Step::ThrowawayTarget { path } => format!(
+                "the throwaway target cluster in {path}: stopped, and removed with its data"
+            ),
         }
     }
 }
@@ -108,6 +115,8 @@ pub enum TeardownError {
     Owner(String),
     #[error("the target database")]
     Target(#[source] tokio_postgres::Error),
+    #[error(transparent)]
+    Throwaway(#[from] crate::throwaway::ThrowawayError),
     #[error("log directory {path}")]
     LogDir {
         path: String,
@@ -240,10 +249,15 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
             }
         }
     }
-    kept.push(format!(
-        "the target tables {} and their rows",
-        flow.tables.join(", ")
-    ));
+    match &flow.target.throwaway {
+        Some(dir) if crate::throwaway::is_ours(dir) => steps.push(Step::ThrowawayTarget {
+            path: dir.display().to_string(),
+        }),
+        _ => kept.push(format!(
+            "the target tables {} and their rows",
+            flow.tables.join(", ")
+        )),
+    }
     if let Transport::Kafka { topic, .. } = &flow.transport {
         kept.push(format!(
             "Kafka topic {topic} and consumer group {}: delete them on the broker if nothing else reads them",
@@ -334,6 +348,9 @@ pub async fn execute(
                 })?;
                 let _ = std::fs::remove_file(dir.with_extension("sock"));
                 let _ = std::fs::remove_file(crate::lock::lock_path(&dir));
+            }
+            Step::ThrowawayTarget { path } => {
+                crate::throwaway::remove(std::path::Path::new(path))?;
             }
         }
         done.push(step.describe(&flow.name));

@@ -35,6 +35,7 @@ use std::time::Duration;
 use tokio_postgres::Client;
 use trellara_common::Lsn;
 use trellara_common::envelope::{self, Envelope, Operation, RelationSchema, RowChange, change};
+use trellara_common::table_name::TableName;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
@@ -252,15 +253,15 @@ pub(crate) fn fits(source_oid: u32, source_mod: i32, target_oid: u32, target_mod
 
 pub(crate) fn missing_table(relation: &RelationSchema) -> String {
     format!(
-        "target table {}.{} does not exist",
-        relation.namespace, relation.name
+        "target table {} does not exist",
+        TableName::new(&relation.namespace, &relation.name)
     )
 }
 
 pub(crate) fn missing_column(relation: &RelationSchema, column: &str) -> String {
     format!(
-        "target table {}.{} has no column {column:?} (schema contract breach)",
-        relation.namespace, relation.name
+        "target table {} has no column {column:?} (schema contract breach)",
+        TableName::new(&relation.namespace, &relation.name)
     )
 }
 
@@ -1393,16 +1394,19 @@ impl<T: Target> Applier<T> {
             Ok(Operation::Delete) => "delete",
             _ => {
                 return Err(Refusal::Data(format!(
-                    "change of {}.{} has operation {}, which is neither update nor delete (a newer capture than this applier?)",
-                    relation.namespace, relation.name, row.operation
+                    "change of {} has operation {}, which is neither update nor delete (a newer capture than this applier?)",
+                    TableName::new(&relation.namespace, &relation.name),
+                    row.operation
                 )));
             }
         };
         match self.target.change_row(relation, row).await? {
             None | Some(1) => Ok(()),
             Some(n) => Err(Refusal::Data(format!(
-                "{op} on {}.{} matched {n} rows, expected 1: the target has diverged from the source (no silent divergence)\nhint: run `trellara verify --config {} --flow {}` to name the diverging key range",
-                relation.namespace, relation.name, self.config_path, self.flow
+                "{op} on {} matched {n} rows, expected 1: the target has diverged from the source (no silent divergence)\nhint: run `trellara verify --config {} --flow {}` to name the diverging key range",
+                TableName::new(&relation.namespace, &relation.name),
+                self.config_path,
+                self.flow
             ))),
         }
     }

@@ -27,6 +27,7 @@ use trellara_common::Lsn;
 use trellara_common::envelope::{
     self, BeforeImage, Operation, RelationSchema, ReplicaIdentity, RowChange, value,
 };
+use trellara_common::table_name::TableName;
 
 /// Types with no default equality operator.
 const NO_EQUALITY: &[&str] = &[
@@ -134,11 +135,7 @@ fn begin_sql(durable: bool) -> &'static str {
 }
 
 fn qualified(relation: &RelationSchema) -> String {
-    format!(
-        "{}.{}",
-        quote_ident(&relation.namespace),
-        quote_ident(&relation.name)
-    )
+    TableName::new(&relation.namespace, &relation.name).quoted()
 }
 
 fn quote_ident(name: &str) -> String {
@@ -419,10 +416,9 @@ impl PgTarget {
                 modifier,
             ) {
                 return Err(Refusal::Data(format!(
-                    "target column {}.{}.{} is {shown}, narrower than or different from the source's (type {} modifier {}): a value could be cut or rounded, and none is silently changed\nhint: make the target column the source's type (ALTER TABLE {qualified} ALTER COLUMN {} TYPE ...), then rerun; `trellara preflight` names each such column",
-                    relation.namespace,
-                    relation.name,
-                    column.name,
+                    "target column {}.{} is {shown}, narrower than or different from the source's (type {} modifier {}): a value could be cut or rounded, and none is silently changed\nhint: make the target column the source's type (ALTER TABLE {qualified} ALTER COLUMN {} TYPE ...), then rerun; `trellara preflight` names each such column",
+                    TableName::new(&relation.namespace, &relation.name),
+                    trellara_common::table_name::display_ident(&column.name),
                     column.type_oid,
                     column.type_modifier,
                     quote_ident(&column.name)

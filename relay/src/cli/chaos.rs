@@ -94,11 +94,12 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
                     Ok(faults) => format!("✓ held over {seeds} seeds ({faults} faults injected)"),
                     Err(e) => format!("✗ FAILED: {e}"),
                 };
-                println!("{} {:<60} {verdict}", scenario.id, scenario.simulation);
-                println!("       invariant: {}", scenario.invariant);
-                println!(
+                outln!("{} {:<60} {verdict}", scenario.id, scenario.simulation);
+                outln!("       invariant: {}", scenario.invariant);
+                outln!(
                     "       proof: {}  recovery: {}",
-                    scenario.proof, scenario.recovery
+                    scenario.proof,
+                    scenario.recovery
                 );
             }
             Format::Json => rows.push(serde_json::json!({
@@ -118,12 +119,12 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
     }
     match format {
         Format::Text => {
-            println!("{ran} scenarios, {failed} failed");
-            println!("qualification: {}", qualification(&results).1);
+            outln!("{ran} scenarios, {failed} failed");
+            outln!("qualification: {}", qualification(&results).1);
         }
         Format::Json => {
             let (qualified, verdict) = qualification(&results);
-            println!(
+            outln!(
                 "{}",
                 serde_json::to_string_pretty(&serde_json::json!({
                     "scenarios": rows,

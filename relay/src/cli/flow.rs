@@ -10,6 +10,7 @@ use anyhow::Context;
 use serde_json::json;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use trellara_common::table_name::TableName;
 
 /// Exit status of verify: 0 converged, 1 diverged, 2 could not verify.
 /// The environment variable that keeps a source URL (and its password)
@@ -158,16 +159,20 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
             }
         }
     };
-    let target = args.target_database_url.as_deref().ok_or_else(|| {
-        if args.evaluate {
-            anyhow::anyhow!(
-                "--target-database-url is required: a throwaway local target for --evaluate (a cluster under the flow's directory) is not built yet\nhint: pass --target-database-url postgresql://user@host:port/db of a database to replicate into (another database than the source)"
-            )
-        } else {
-            anyhow::anyhow!("--target-database-url is required\nhint: the verified flow replicates into a Postgres target")
-        }
-    })?;
-    let config = Config {
+    let stem = args
+        .output
+        .file_stem()
+        .map_or("trellara".into(), |s| s.to_string_lossy().into_owned());
+    // Without a target URL, --evaluate replicates into a throwaway local
+    // cluster made below (crate::throwaway).
+    let throwaway = match (&args.target_database_url, args.evaluate) {
+        (Some(_), _) => None,
+        (None, true) => Some(crate::throwaway::default_dir(&stem, &args.flow)),
+        (None, false) => anyhow::bail!(
+            "--target-database-url is required\nhint: the verified flow replicates into a Postgres target; with --evaluate and no target URL, trellara makes a throwaway local one"
+        ),
+    };
+    let mut config = Config {
         schema_version: config::SCHEMA_VERSION,
         environment: if args.evaluate {
             Environment::Evaluation
@@ -183,7 +188,11 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
                 publication: None,
             },
             target: Target {
-                url: reference(target, "TRELLARA_TARGET_DATABASE_URL"),
+                url: match &args.target_database_url {
+                    Some(url) => reference(url, "TRELLARA_TARGET_DATABASE_URL"),
+                    None => SecretRef::default(),
+                },
+                throwaway: throwaway.clone(),
             },
             tables: args.tables.clone(),
             capture: match args.capture {
@@ -193,13 +202,7 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
             // Each config's flow its own log, so two configs written in
             // one directory never share one.
             transport: Transport::Local {
-                log_dir: PathBuf::from(format!(
-                    "./.trellara/{}/{}/log",
-                    args.output
-                        .file_stem()
-                        .map_or("trellara".into(), |s| s.to_string_lossy()),
-                    args.flow
-                )),
+                log_dir: PathBuf::from(format!("./.trellara/{stem}/{}/log", args.flow)),
                 retention_mib: config::DEFAULT_RETENTION_MIB,
             },
         }],
@@ -209,25 +212,83 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
         let list: Vec<String> = issues.iter().map(|i| format!("  {i}")).collect();
         anyhow::bail!("the config would be invalid:\n{}", list.join("\n"));
     }
+    config::canonical_tables(&mut config.flows[0]);
     let yaml = serde_yaml_ng::to_string(&config).context("serialize config")?;
+    let made = match &throwaway {
+        Some(relative) => {
+            let base = std::path::absolute(
+                args.output
+                    .parent()
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .unwrap_or(std::path::Path::new(".")),
+            )
+            .context("resolve the config's directory")?;
+            let dir = base.join(relative.strip_prefix("./").unwrap_or(relative));
+            make_throwaway(&dir, &base, &args.source_database_url, &config.flows[0])?;
+            Some(dir)
+        }
+        None => None,
+    };
     // It may hold inline URLs with passwords: owner-only.
-    trellara_common::owner_only::write(
+    if let Err(e) = trellara_common::owner_only::write(
         &args.output,
         format!("# trellara.yml, schema v2: see docs/CONFIG.md\n{yaml}").as_bytes(),
-    )
-    .with_context(|| format!("write {}", args.output.display()))?;
-    println!(
+    ) {
+        if let Some(dir) = &made {
+            let _ = crate::throwaway::remove(dir);
+        }
+        return Err(anyhow::Error::new(e).context(format!("write {}", args.output.display())));
+    }
+    if let Some(dir) = &made {
+        outln!(
+            "throwaway target: PostgreSQL cluster in {} (its own Unix socket only); teardown stops and removes it",
+            dir.display()
+        );
+    }
+    outln!(
         "wrote {} (flow {}, {} table(s))",
         args.output.display(),
         args.flow,
         args.tables.len()
     );
     if !args.evaluate {
-        println!(
+        outln!(
             "export TRELLARA_SOURCE_DATABASE_URL and TRELLARA_TARGET_DATABASE_URL before `trellara run`"
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The throwaway target of `init --evaluate`: a cluster of the source's
+/// major in `dir`, holding the flow's table definitions. Reads the source
+/// only; on any failure nothing is left behind.
+fn make_throwaway(
+    dir: &std::path::Path,
+    base: &std::path::Path,
+    source_url: &str,
+    flow: &Flow,
+) -> anyhow::Result<()> {
+    let rt = runtime()?;
+    let major = rt.block_on(async {
+        let source = flow::connect(source_url, "source").await?;
+        let version: String = source
+            .query_one("SHOW server_version_num", &[])
+            .await
+            .context("read the source's server_version_num")?
+            .get(0);
+        anyhow::Ok(version.parse::<u32>().context("server_version_num")? / 10000)
+    })?;
+    crate::throwaway::create(dir, base, major, &flow.name)?;
+    let copied = rt.block_on(async {
+        let source = flow::connect(source_url, "source").await?;
+        let target = flow::connect(&crate::throwaway::url(dir), "target").await?;
+        anyhow::Ok(crate::throwaway::copy_tables(&source, &target, &flow.tables).await?)
+    });
+    if let Err(e) = copied {
+        let _ = crate::throwaway::remove(dir);
+        return Err(e.context("make the throwaway target (removed again)"));
+    }
+    Ok(())
 }
 
 pub fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
@@ -263,15 +324,11 @@ pub fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
         )
     })?;
     let issues = match config::parse(&text) {
-        Ok(config) => config::validate(&config),
-        Err(message) => vec![config::ConfigIssue::new(
-            "(file)".into(),
-            message,
-            "fix the YAML".into(),
-        )],
+        Ok(config) => config::located(&text, config::validate(&config)),
+        Err(message) => vec![config::parse_issue(&message)],
     };
     match format {
-        Format::Json => println!(
+        Format::Json => outln!(
             "{}",
             serde_json::to_string_pretty(
                 &json!({"config": path.display().to_string(), "valid": issues.is_empty(), "issues": issues})
@@ -279,10 +336,10 @@ pub fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
         ),
         Format::Text => {
             if issues.is_empty() {
-                println!("{}: valid (schema v2)", path.display());
+                outln!("{}: valid (schema v2)", path.display());
             }
             for i in &issues {
-                println!("{i}");
+                outln!("{i}");
             }
         }
     }
@@ -311,7 +368,7 @@ fn grade(url: &str, request: &trellara_check::Request, format: &str) -> anyhow::
                 "html" => trellara_check::render_html(&report),
                 _ => trellara_check::render_text(&report),
             };
-            print!("{out}");
+            out!("{out}");
             Ok(ExitCode::from(report.exit_code() as u8))
         }
         Err(err) => {
@@ -371,7 +428,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     for (index, f) in selected {
         let mut progress = |line: &str| {
             if text {
-                println!("[{}] {line}", f.name);
+                outln!("[{}] {line}", f.name);
             } else {
                 eprintln!("[{}] {line}", f.name);
             }
@@ -398,7 +455,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     if args.format == Format::Json && !args.verify {
         let out: Vec<_> = reports.iter().map(run_json).collect();
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?);
     }
     if args.verify {
         return could_not_verify(|| {
@@ -435,12 +492,22 @@ fn run_json(r: &flow::RunReport) -> serde_json::Value {
 pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
     could_not_verify(|| {
         let config = config::load(&args.config)?;
+        // The config's tables are in display form; so is the one asked for.
+        let table = args
+            .table
+            .as_deref()
+            .map(|t| {
+                TableName::parse(t)
+                    .map(|n| n.to_string())
+                    .map_err(|e| anyhow::anyhow!("--table {t:?} {e}\nhint: write schema.table as SQL does: public.sales, or public.\"Sales\" for a mixed-case name"))
+            })
+            .transpose()?;
         let rt = runtime()?;
         verify_flows(
             &config,
             &args.config.display().to_string(),
             args.flow.as_deref(),
-            args.table.as_deref(),
+            table.as_deref(),
             args.format,
             args.chunk_rows,
             &rt,
@@ -498,16 +565,16 @@ fn verify_flows(
             .flat_map(|f| f.tables.iter().map(String::as_str))
             .collect();
         anyhow::bail!(
-            "no flow replicates table {:?}\nhint: --table takes schema.table as the config lists it: {}",
+            "no flow replicates table {:?}\nhint: --table takes schema.table as SQL spells it (unquoted names fold to lower case); the config lists {}",
             table.unwrap_or(""),
             tables.join(", ")
         );
     }
     match format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&verdicts)?),
+        Format::Json => outln!("{}", serde_json::to_string_pretty(&verdicts)?),
         Format::Text => {
             for v in &verdicts {
-                print!("{}", verify::render_text(v));
+                out!("{}", verify::render_text(v));
             }
         }
     }
@@ -524,12 +591,21 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let mut out = Vec::new();
     let path = args.config.display().to_string();
     for (index, f) in flows(&config, args.flow.as_deref())? {
+        // Read before urls() starts it: whether it was up is news.
+        let throwaway = match &f.target.throwaway {
+            Some(dir) => Some(json!({
+                "dir": dir.display().to_string(),
+                "was_running": crate::throwaway::running(dir)?,
+            })),
+            None => None,
+        };
         let value = rt.block_on(async {
             let (source_url, target_url) = flow::urls(f, index)?;
             let target = flow::connect(&target_url, "target").await?;
             if !crate::state::present(&target).await? {
                 return anyhow::Ok(json!({
                     "flow": f.name,
+                    "throwaway_target": throwaway,
                     "never_ran": true,
                     "next": [format!("trellara preflight --config {path}"), format!("trellara run --config {path} --flow {} --local --verify", f.name)],
                 }));
@@ -550,6 +626,7 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 "snapshot": snapshot.first().map(|r| json!({"state": r.get::<_, String>(0), "consistent_lsn": r.get::<_, Option<String>>(1), "run_id": r.get::<_, i64>(2), "reason": r.get::<_, String>(3)})),
                 "quarantined": quarantine.iter().map(|r| json!({"commit_lsn": r.get::<_, String>(0), "xid": r.get::<_, i64>(1), "reason": r.get::<_, String>(2), "recovery": r.get::<_, String>(3), "attempts": r.get::<_, i32>(4)})).collect::<Vec<_>>(),
                 "last_verify": last_verify.first().map(|r| json!({"verdict": r.get::<_, String>(0), "at": r.get::<_, String>(1)})),
+                "throwaway_target": throwaway,
                 "never_ran": false,
             });
             if let Some(stop) = crate::state::stop(&target, &f.name).await? {
@@ -577,12 +654,23 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         out.push(value);
     }
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
+        Format::Json => outln!("{}", serde_json::to_string_pretty(&out)?),
         Format::Text => {
             for v in &out {
-                println!("flow {}", v["flow"].as_str().unwrap_or(""));
+                outln!("flow {}", v["flow"].as_str().unwrap_or(""));
+                if let Some(t) = v.get("throwaway_target").filter(|t| !t.is_null()) {
+                    outln!(
+                        "  target      throwaway cluster in {} ({}; teardown removes it)",
+                        t["dir"].as_str().unwrap_or(""),
+                        if t["was_running"] == true {
+                            "running"
+                        } else {
+                            "was stopped, started for this command"
+                        }
+                    );
+                }
                 if v["never_ran"] == true {
-                    println!(
+                    outln!(
                         "  never ran against this target (no trellara state tables): trellara run --config {} --flow {} --local",
                         args.config.display(),
                         v["flow"].as_str().unwrap_or("")
@@ -590,39 +678,39 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                     continue;
                 }
                 if let Some(stop) = v.get("stopped") {
-                    println!(
+                    outln!(
                         "  STOPPED     {} at {}",
                         stop["detail"].as_str().unwrap_or(""),
                         stop["stopped_at"].as_str().unwrap_or("")
                     );
                     for c in stop["commands"].as_array().into_iter().flatten() {
-                        println!("    next: {}", c.as_str().unwrap_or(""));
+                        outln!("    next: {}", c.as_str().unwrap_or(""));
                     }
                 }
                 let slot = &v["slot"];
-                println!(
+                outln!(
                     "  slot        {} {}",
                     slot["name"].as_str().unwrap_or(""),
                     slot["state"].as_str().unwrap_or("")
                 );
-                println!(
+                outln!(
                     "  snapshot    {}",
                     v["snapshot"]["state"].as_str().unwrap_or("none")
                 );
-                println!(
+                outln!(
                     "  applied     {} transactions through {} ({} duplicates skipped)",
                     v["checkpoint"]["transactions"],
                     v["checkpoint"]["commit_lsn"].as_str().unwrap_or("-"),
                     v["checkpoint"]["duplicates_skipped"]
                 );
-                println!(
+                outln!(
                     "  last verify {}",
                     v["last_verify"]["verdict"].as_str().unwrap_or("never")
                 );
                 let q = v["quarantined"].as_array().map_or(0, Vec::len);
-                println!("  quarantine  {q} open");
+                outln!("  quarantine  {q} open");
                 for item in v["quarantined"].as_array().into_iter().flatten() {
-                    println!(
+                    outln!(
                         "    {} {}\n      recovery: {}",
                         item["commit_lsn"].as_str().unwrap_or(""),
                         item["reason"].as_str().unwrap_or(""),
@@ -630,9 +718,10 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                     );
                 }
                 if let Some(log) = v.get("log") {
-                    println!(
+                    outln!(
                         "  log         {} records; cursors {}",
-                        log["next_offset"], log["cursors"]
+                        log["next_offset"],
+                        log["cursors"]
                     );
                 }
             }
@@ -693,25 +782,25 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
                     })
                 })
                 .collect();
-            println!(
+            outln!(
                 "{}",
                 serde_json::to_string_pretty(&json!({"ready": !blocked, "flows": flows}))?
             );
         }
         Format::Text => {
             for (name, a) in &findings {
-                println!("flow {name}: source (read-only grade)");
+                outln!("flow {name}: source (read-only grade)");
                 for line in trellara_check::render_text(&a.source).lines() {
-                    println!("  {line}");
+                    outln!("  {line}");
                 }
                 if a.has_slot {
-                    println!(
+                    outln!(
                         "  the flow's slot exists: a full max_replication_slots does not block it"
                     );
                 }
-                println!("flow {name}: target and flow");
+                outln!("flow {name}: target and flow");
                 for f in &a.flow {
-                    println!(
+                    outln!(
                         "  {} {:<6} {:<26} {}",
                         if f.ok { "ok  " } else { "FAIL" },
                         f.side,
@@ -719,11 +808,11 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
                         f.detail
                     );
                     if let Some(a) = &f.action {
-                        println!("       action: {a}");
+                        outln!("       action: {a}");
                     }
                 }
             }
-            println!(
+            outln!(
                 "{} · nothing was created",
                 if blocked { "BLOCKED" } else { "READY" }
             );
@@ -761,7 +850,7 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
         // JSON on stdout is the report alone; progress goes to stderr.
         let mut progress = |line: &str| {
             if text {
-                println!("[{}] {line}", f.name);
+                outln!("[{}] {line}", f.name);
             } else {
                 eprintln!("[{}] {line}", f.name);
             }
@@ -781,7 +870,7 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
     }
     if !text && !args.verify {
         let out: Vec<_> = reports.iter().map(run_json).collect();
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?);
     }
     if args.verify {
         return could_not_verify(|| {
@@ -861,10 +950,10 @@ pub fn stream(args: StreamArgs) -> anyhow::Result<ExitCode> {
         }));
     }
     match format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
+        Format::Json => outln!("{}", serde_json::to_string_pretty(&out)?),
         Format::Text => {
             for v in &out {
-                println!(
+                outln!(
                     "{}: {} — {}",
                     v["flow"].as_str().unwrap_or(""),
                     if v["present"] == true {
@@ -874,7 +963,7 @@ pub fn stream(args: StreamArgs) -> anyhow::Result<ExitCode> {
                     },
                     v["detail"].as_str().unwrap_or("")
                 );
-                println!("  next: {}", v["recovery"].as_str().unwrap_or(""));
+                outln!("  next: {}", v["recovery"].as_str().unwrap_or(""));
             }
         }
     }
@@ -962,20 +1051,20 @@ pub fn repair_plan(args: StatusArgs) -> anyhow::Result<ExitCode> {
         })?;
     }
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&steps)?),
+        Format::Json => outln!("{}", serde_json::to_string_pretty(&steps)?),
         Format::Text => {
             if steps.is_empty() {
-                println!("nothing is blocked");
+                outln!("nothing is blocked");
             }
             for (i, s) in steps.iter().enumerate() {
-                println!(
+                outln!(
                     "{}. [{}] {}",
                     i + 1,
                     s["flow"].as_str().unwrap_or(""),
                     s["blocked"].as_str().unwrap_or("")
                 );
                 for c in s["commands"].as_array().into_iter().flatten() {
-                    println!("     {}", c.as_str().unwrap_or(""));
+                    outln!("     {}", c.as_str().unwrap_or(""));
                 }
             }
         }

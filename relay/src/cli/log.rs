@@ -101,34 +101,36 @@ pub fn run(args: LogArgs) -> anyhow::Result<ExitCode> {
         "verified": verify.then(|| json!({"records": records, "invalid_envelopes": invalid})),
     });
     match format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
+        Format::Json => outln!("{}", serde_json::to_string_pretty(&out)?),
         Format::Text => {
-            println!("log {}", dir.display());
-            println!(
+            outln!("log {}", dir.display());
+            outln!(
                 "  records     {}..{} ({} segments)",
                 log.first_offset(),
                 log.next_offset(),
                 segments.len()
             );
             match last {
-                Some(d) => println!(
+                Some(d) => outln!(
                     "  durable     offset {} commit LSN {}",
                     d.offset,
                     Lsn(d.commit_lsn)
                 ),
-                None => println!("  durable     empty"),
+                None => outln!("  durable     empty"),
             }
             for (name, pos) in log.cursors() {
-                println!("  cursor      {name} at offset {}", pos.next_offset);
+                outln!("  cursor      {name} at offset {}", pos.next_offset);
             }
             for p in log.retention_pressure() {
-                println!(
+                outln!(
                     "  pressure    {} holds {} segments ({} bytes)",
-                    p.consumer, p.held_segments, p.held_bytes
+                    p.consumer,
+                    p.held_segments,
+                    p.held_bytes
                 );
             }
             if let Some(t) = &report.torn_tail {
-                println!(
+                outln!(
                     "  repaired    torn tail of {}: {} bytes cut ({})",
                     t.segment.display(),
                     t.truncated_bytes,
@@ -136,12 +138,12 @@ pub fn run(args: LogArgs) -> anyhow::Result<ExitCode> {
                 );
             }
             if verify {
-                println!(
+                outln!(
                     "  verified    {records} records, {} invalid envelopes",
                     invalid.len()
                 );
                 for bad in &invalid {
-                    println!("    offset {}: {}", bad["offset"], bad["error"]);
+                    outln!("    offset {}: {}", bad["offset"], bad["error"]);
                 }
             }
         }

@@ -4,6 +4,18 @@
 //! Exit status: 0 success, 1 error, 2 bad usage (clap), 3 refused by
 //! preflight's checks before anything was created or changed.
 
+/// `println!` for command output that a reader who stopped reading
+/// (`status | head`) cannot break: see [`write_out`].
+macro_rules! outln {
+    () => { $crate::cli::write_out(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::cli::write_out(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `print!`, likewise.
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::cli::write_out(format_args!($($arg)*)) };
+}
+
 mod chaos;
 mod flow;
 mod log;
@@ -109,6 +121,25 @@ pub enum Command {
 pub struct NotBuilt {
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
     args: Vec<String>,
+}
+
+/// Writes command output. Once the reader has gone (EPIPE), later output
+/// is dropped and the command finishes its work: a closed pipe must not
+/// panic, nor cut a run short between its durable steps.
+pub fn write_out(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static GONE: AtomicBool = AtomicBool::new(false);
+    if GONE.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        GONE.store(true, Ordering::Relaxed);
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            tracing::warn!("standard output: {e}; later output is dropped");
+        }
+    }
 }
 
 /// An error and its causes on one line, as `{:#}` prints them, but without

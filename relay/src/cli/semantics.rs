@@ -68,7 +68,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
         observer.prepare().await?;
         let mut progress = |line: &str| {
             if text {
-                println!("[{}] {line}", f.name);
+                outln!("[{}] {line}", f.name);
             } else {
                 eprintln!("[{}] {line}", f.name);
             }
@@ -103,7 +103,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
     ];
     match args.format {
         Format::Text => {
-            println!(
+            outln!(
                 "[{}] {} reads of the target in {seconds:.1}s; {} while transactions were in flight; {} checkpoints seen; {} row versions compared, {} not judgeable",
                 f.name,
                 report.reads,
@@ -113,16 +113,17 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
                 report.rows_unjudged
             );
             if report.reads_unjudged > 0 {
-                println!(
+                outln!(
                     "[{}] {} reads not judged: the applier was too far behind the log for the window",
-                    f.name, report.reads_unjudged
+                    f.name,
+                    report.reads_unjudged
                 );
             }
             for (table, why) in &report.not_checked {
-                println!("[{}] not checked: {table}: {why}", f.name);
+                outln!("[{}] not checked: {table}: {why}", f.name);
             }
             for finding in &report.findings {
-                println!(
+                outln!(
                     "  transaction {} (xid {}) on {} key ({}), checkpoint {}: {}",
                     finding.commit_lsn,
                     finding.xid,
@@ -133,20 +134,20 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
                 );
             }
             match verdict {
-                "HALF_APPLIED" => println!(
+                "HALF_APPLIED" => outln!(
                     "{verdict}: {} observations broke a transaction's atomicity\nhint: `trellara verify --config {config_path}` names the diverging key ranges",
                     report.violations
                 ),
-                "INCONCLUSIVE" => println!(
+                "INCONCLUSIVE" => outln!(
                     "{verdict}: no transaction was applying while the reader looked\nhint: run a workload of multi-table transactions at the source during `trellara semantics`"
                 ),
-                _ => println!(
+                _ => outln!(
                     "{verdict}: no source transaction was ever observed half-applied ({} reads caught transactions in flight)",
                     report.reads_in_flight
                 ),
             }
         }
-        Format::Json => println!(
+        Format::Json => outln!(
             "{}",
             serde_json::to_string_pretty(&json!({
                 "flow": f.name,

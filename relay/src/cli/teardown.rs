@@ -61,36 +61,36 @@ pub fn run(args: TeardownArgs) -> anyhow::Result<ExitCode> {
                     })
                 })
                 .collect();
-            println!("{}", serde_json::to_string_pretty(&flows)?);
+            outln!("{}", serde_json::to_string_pretty(&flows)?);
         }
         Format::Text => {
             for (plan, removed) in &out {
                 match removed {
                     None => {
-                        println!("flow {}: teardown would remove:", plan.flow);
+                        outln!("flow {}: teardown would remove:", plan.flow);
                         for step in &plan.steps {
-                            println!("  {}", step.describe(&plan.flow));
+                            outln!("  {}", step.describe(&plan.flow));
                         }
                         if plan.steps.is_empty() {
-                            println!("  nothing: the flow left nothing behind");
+                            outln!("  nothing: the flow left nothing behind");
                         }
                     }
                     Some(done) => {
-                        println!("flow {}: removed:", plan.flow);
+                        outln!("flow {}: removed:", plan.flow);
                         for line in done {
-                            println!("  {line}");
+                            outln!("  {line}");
                         }
                         if done.is_empty() {
-                            println!("  nothing: the flow left nothing behind");
+                            outln!("  nothing: the flow left nothing behind");
                         }
                     }
                 }
                 for line in &plan.kept {
-                    println!("  kept: {line}");
+                    outln!("  kept: {line}");
                 }
             }
             if !args.yes {
-                println!(
+                outln!(
                     "nothing was removed; to remove it: trellara teardown --config {config_path}{} --yes",
                     args.flow
                         .as_deref()
