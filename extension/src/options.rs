@@ -180,7 +180,10 @@ mod tests {
         .unwrap_or_else(|e| panic!("{e:?}"));
         assert_eq!(
             o.tables,
-            Some(vec![TableName::new("public", "a"), TableName::new("s", "B")])
+            Some(vec![
+                TableName::new("public", "a"),
+                TableName::new("s", "B")
+            ])
         );
         assert_eq!(o.source_id.as_deref(), Some("src"));
         assert_eq!((o.max_frame_bytes, o.chunk_bytes), (41, 4096));

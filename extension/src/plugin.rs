@@ -393,7 +393,8 @@ unsafe fn heap_tuple(tuple: pg_sys::HeapTuple) -> pg_sys::HeapTuple {
 }
 
 fn qualified(info: &RelationInfo) -> String {
-    trellara_common::table_name::TableName::new(&info.schema.namespace, &info.schema.name).to_string()
+    trellara_common::table_name::TableName::new(&info.schema.namespace, &info.schema.name)
+        .to_string()
 }
 
 /// # Safety

@@ -966,3 +966,303 @@ fn a_peer_that_never_answers_is_an_error_within_connect_timeout() {
         );
     }
 }
+
+/// The spec's evaluation loop as typed: `init --evaluate` with no target
+/// URL replicates into a throwaway cluster under the flow's directory,
+/// which any command starts when it is down and teardown removes. The
+/// tables have mixed-case names, spelled as SQL spells them.
+#[test]
+fn an_evaluation_without_a_target_url_gets_a_throwaway_target() {
+    on_every_major(throwaway_target);
+}
+
+fn throwaway_target(major: Major) {
+    let Some(c) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    databases(
+        &c,
+        &["shop"],
+        "CREATE TABLE public.\"Sales\" (id bigint PRIMARY KEY, \"Amount\" numeric(10,2) NOT NULL, note varchar(8));
+         CREATE TABLE public.orders (id bigint PRIMARY KEY, total numeric GENERATED ALWAYS AS (id * 2) STORED);
+         CREATE TABLE public.sales (id bigint PRIMARY KEY, other text);
+         INSERT INTO public.\"Sales\" SELECT g, g * 1.25, 'n' || g FROM generate_series(1, 50) g;
+         INSERT INTO public.orders SELECT g FROM generate_series(1, 10) g;
+         INSERT INTO public.sales VALUES (1, 'not this one');",
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let source = c.connection_string("shop");
+    let text = exits(
+        &trellara(
+            d,
+            &[
+                "init",
+                "--source-database-url",
+                &source,
+                "--table",
+                "public.\"Sales\"",
+                "--table",
+                "Public.Orders",
+                "--flow",
+                "ev",
+                "--evaluate",
+            ],
+        ),
+        0,
+        "init --evaluate without a target URL",
+    );
+    assert!(text.contains("throwaway target"), "{text}");
+    let yml = std::fs::read_to_string(d.join("trellara.yml")).expect("config");
+    assert!(
+        yml.contains("throwaway: ./.trellara/trellara/ev/target")
+            && yml.contains("public.\"Sales\"")
+            && yml.contains("- public.orders"),
+        "{yml}"
+    );
+    let cluster = d.join(".trellara/trellara/ev/target");
+    assert_eq!(
+        std::fs::read_to_string(cluster.join("PG_VERSION"))
+            .expect("PG_VERSION")
+            .trim(),
+        major.number().to_string(),
+        "the source's major"
+    );
+    let text = exits(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        0,
+        "the loop into the throwaway target",
+    );
+    assert!(
+        text.contains("ev CONVERGED") && text.contains("public.\"Sales\""),
+        "{text}"
+    );
+    c.try_connect("shop")
+        .expect("connect")
+        .batch_execute(
+            "UPDATE public.\"Sales\" SET \"Amount\" = \"Amount\" + 1 WHERE id <= 10;
+             DELETE FROM public.\"Sales\" WHERE id = 50;
+             INSERT INTO public.orders VALUES (11);
+             UPDATE public.sales SET other = 'changed'",
+        )
+        .expect("writes");
+    let text = exits(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        0,
+        "changes to the mixed-case table",
+    );
+    assert!(
+        text.contains("ev CONVERGED") && text.contains("rows 49 / 49"),
+        "{text}"
+    );
+    let text = exits(
+        &trellara(
+            d,
+            &[
+                "verify",
+                "--config",
+                "trellara.yml",
+                "--table",
+                "public.\"Sales\"",
+            ],
+        ),
+        0,
+        "verify --table of a mixed-case name",
+    );
+    assert!(text.contains("CONVERGED"), "{text}");
+    let text = exits(
+        &trellara(
+            d,
+            &[
+                "verify",
+                "--config",
+                "trellara.yml",
+                "--table",
+                "public.Sales",
+            ],
+        ),
+        2,
+        "an unquoted name folds to public.sales, which the flow has not",
+    );
+    assert!(
+        text.contains("\"public.sales\"") && text.contains("public.\"Sales\""),
+        "{text}"
+    );
+
+    // Stopped behind its back, it is started by the next command.
+    let pg_ctl = c.install().bindir().join("pg_ctl");
+    let mut stop = if nix::unistd::geteuid().is_root() {
+        let mut cmd = Command::new("runuser");
+        cmd.args(["-u", "trellara", "--"]).arg(&pg_ctl);
+        cmd
+    } else {
+        Command::new(&pg_ctl)
+    };
+    let stopped = stop
+        .arg("stop")
+        .arg("-w")
+        .arg("-D")
+        .arg(&cluster)
+        .output()
+        .expect("pg_ctl");
+    assert!(stopped.status.success(), "{stopped:?}");
+    let text = exits(
+        &trellara(d, &["status", "--config", "trellara.yml"]),
+        0,
+        "status",
+    );
+    assert!(
+        text.contains("throwaway cluster in")
+            && text.contains("was stopped, started for this command"),
+        "{text}"
+    );
+    let text = exits(
+        &trellara(d, &["status", "--config", "trellara.yml"]),
+        0,
+        "status",
+    );
+    assert!(
+        text.contains("(running;") && text.contains("last verify CONVERGED"),
+        "{text}"
+    );
+
+    let text = exits(
+        &trellara(d, &["teardown", "--config", "trellara.yml", "--yes"]),
+        0,
+        "teardown",
+    );
+    assert!(text.contains("the throwaway target cluster in"), "{text}");
+    assert!(!cluster.exists(), "the throwaway target is removed");
+    let left = footprint_slots(&c, "shop");
+    assert_eq!(
+        left, "slots [] publications []",
+        "nothing left on the source"
+    );
+}
+
+/// Slots and publications of `db`.
+fn footprint_slots(cluster: &Cluster, db: &str) -> String {
+    let mut client = cluster.try_connect(db).expect("connect");
+    let row = client
+        .query_one(
+            "SELECT coalesce((SELECT string_agg(slot_name, ',') FROM pg_replication_slots), ''),
+                    coalesce((SELECT string_agg(pubname, ',') FROM pg_publication), '')",
+            &[],
+        )
+        .expect("footprint");
+    format!(
+        "slots [{}] publications [{}]",
+        row.get::<_, String>(0),
+        row.get::<_, String>(1)
+    )
+}
+
+/// Refusals of the throwaway path leave nothing: no target URL without
+/// --evaluate, a directory that is already there, a source that is down.
+#[test]
+fn a_throwaway_target_is_made_only_when_asked_and_only_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let text = exits(
+        &trellara(
+            d,
+            &[
+                "init",
+                "--source-database-url",
+                "postgresql://u@127.0.0.1:1/db",
+                "--table",
+                "public.t",
+            ],
+        ),
+        1,
+        "no target URL without --evaluate",
+    );
+    assert!(text.contains("--target-database-url is required"), "{text}");
+    let text = exits(
+        &trellara(
+            d,
+            &[
+                "init",
+                "--source-database-url",
+                "postgresql://u@127.0.0.1:1/db?connect_timeout=2",
+                "--table",
+                "public.t",
+                "--evaluate",
+            ],
+        ),
+        1,
+        "a source that is down",
+    );
+    assert!(text.contains("connect to the source database"), "{text}");
+    assert!(
+        !d.join("trellara.yml").exists() && !d.join(".trellara/trellara/main/target").exists(),
+        "nothing made"
+    );
+    std::fs::create_dir_all(d.join(".trellara/trellara/main/target")).expect("mkdir");
+    std::fs::write(d.join(".trellara/trellara/main/target/keep"), "mine").expect("write");
+    let Some(c) = test_cluster(Major::Pg15, &ClusterOptions::new()) else {
+        return;
+    };
+    let text = exits(
+        &trellara(
+            d,
+            &[
+                "init",
+                "--source-database-url",
+                &c.connection_string("postgres"),
+                "--table",
+                "public.t",
+                "--evaluate",
+            ],
+        ),
+        1,
+        "a directory already there",
+    );
+    assert!(
+        text.contains("is not a throwaway target made by trellara init"),
+        "{text}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(d.join(".trellara/trellara/main/target/keep")).expect("kept"),
+        "mine"
+    );
+    assert!(!d.join("trellara.yml").exists());
+}
+
+/// A reader that stops reading (`| head`) is no error and no panic.
+#[test]
+fn a_closed_pipe_is_not_a_panic() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    write_flow(
+        d,
+        "trellara.yml",
+        "pipe",
+        "postgresql://u@h/db",
+        "postgresql://u@h/db2",
+        &["public.orders"],
+    );
+    for args in [
+        &["check", "--config", "trellara.yml"][..],
+        &["check", "--config", "trellara.yml", "--format", "json"],
+    ] {
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_trellara"))
+            .current_dir(d)
+            .args(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .expect("run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{}: {stderr}", args.join(" "));
+        assert_eq!(out.status.code(), Some(0), "{}: {stderr}", args.join(" "));
+    }
+}
