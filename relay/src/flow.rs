@@ -325,11 +325,15 @@ pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError>
         }
     });
     // Copy and apply exchange values as text: the same unambiguous forms
-    // the replication session uses.
+    // the replication session uses. Catalog work is bounded unless the URL,
+    // role or server already bound it; data work lifts the bound itself.
     client
-        .batch_execute(
-            "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET extra_float_digits = 3",
-        )
+        .batch_execute(&format!(
+            "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET extra_float_digits = 3; \
+             SELECT set_config('statement_timeout', '{}s', false) \
+             WHERE current_setting('statement_timeout') = '0'",
+            CATALOG_TIMEOUT.as_secs()
+        ))
         .await
         .map_err(|source| FlowError::Connect {
             side,
@@ -338,6 +342,11 @@ pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError>
         })?;
     Ok(client)
 }
+
+/// How long a catalog statement of a session [`connect`] opens may run:
+/// one blocked behind a lock or a stuck server is an error naming it, not
+/// a hang. Copy, apply and verify's comparisons set no bound.
+pub const CATALOG_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Whether the target's checkpoint has reached the last commit the Kafka
 /// publisher sent.
@@ -791,6 +800,12 @@ async fn run_round<W: Watch>(
         }
         crate::config::Transport::Local { .. } => None,
     };
+    // Applying is data work: a row lock held by a target reader is waited
+    // for, not a reason to stop the flow.
+    target
+        .batch_execute("SET statement_timeout = 0")
+        .await
+        .map_err(FlowError::Target)?;
     let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
         .with_patience(CHUNK_PATIENCE)
         .with_cursor_every(CURSOR_EVERY);

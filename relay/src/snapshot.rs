@@ -754,6 +754,11 @@ impl SnapshotIo for PgSnapshot<'_> {
         let pid = repl.backend_pid();
         let source = self.source;
         let mut stop = self.stop.clone();
+        // Without a stop channel (a run that does not follow), SIGTERM or
+        // Ctrl-C would kill the process and leave the server's walsender
+        // waiting: once the transaction ends it would create the slot, and
+        // nobody would ever read it. Catch them for the wait only.
+        let mut signals = SlotWaitSignals::new(stop.is_none());
         let created = {
             let create = repl.create_logical_slot_for(&name, plugin, true, false);
             tokio::pin!(create);
@@ -777,9 +782,14 @@ impl SnapshotIo for PgSnapshot<'_> {
                         let _ = source.execute("SELECT pg_cancel_backend($1)", &[&pid]).await;
                         return Err(SnapshotError::Stopped);
                     }
+                    () = signals.recv() => {
+                        let _ = source.execute("SELECT pg_cancel_backend($1)", &[&pid]).await;
+                        return Err(SnapshotError::Stopped);
+                    }
                 }
             }
         };
+        drop(signals);
         self.created_slot = true;
         let snapshot = created
             .snapshot_name
@@ -862,7 +872,12 @@ impl SnapshotIo for PgSnapshot<'_> {
         // table swapped in: that would change the table's OID under its
         // views, foreign keys and grants.
         target
-            .batch_execute(&format!("BEGIN; TRUNCATE {}", quoted.join(", ")))
+            // The copy is data work, as long as the tables are large:
+            // no catalog bound (crate::flow::CATALOG_TIMEOUT) in it.
+            .batch_execute(&format!(
+                "BEGIN; SET LOCAL statement_timeout = 0; TRUNCATE {}",
+                quoted.join(", ")
+            ))
             .await
             .map_err(|e| SnapshotError::Table {
                 table: order.join(", "),
@@ -1091,7 +1106,7 @@ async fn copy_table(
         .map_err(SnapshotError::Source)?;
     source
         .batch_execute(&format!(
-            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{snapshot}'"
+            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{snapshot}'; SET LOCAL statement_timeout = 0"
         ))
         .await
         .map_err(SnapshotError::Source)?;
@@ -1187,5 +1202,52 @@ mod copy_order_tests {
         let cycle = [link("public.a", "public.b"), link("public.b", "public.a")];
         let ab: Vec<String> = ["public.a", "public.b"].map(String::from).to_vec();
         assert_eq!(referenced_first(&ab, &cycle), ab);
+    }
+}
+
+/// SIGTERM and SIGINT caught while a slot is being created by a run that
+/// has no stop channel; dropping it gives both back their default action
+/// (tokio keeps its handler installed for the process's life otherwise).
+struct SlotWaitSignals {
+    streams: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl SlotWaitSignals {
+    fn new(catch: bool) -> Self {
+        use tokio::signal::unix::{SignalKind, signal};
+        let streams = catch
+            .then(|| {
+                Some((
+                    signal(SignalKind::terminate()).ok()?,
+                    signal(SignalKind::interrupt()).ok()?,
+                ))
+            })
+            .flatten();
+        SlotWaitSignals { streams }
+    }
+
+    /// Resolves at the first signal; never when none is caught.
+    async fn recv(&mut self) {
+        match &mut self.streams {
+            Some((term, int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            None => std::future::pending().await,
+        }
+    }
+}
+
+impl Drop for SlotWaitSignals {
+    fn drop(&mut self) {
+        use nix::sys::signal::{SigHandler, Signal, signal};
+        if self.streams.take().is_some() {
+            for s in [Signal::SIGTERM, Signal::SIGINT] {
+                // SAFETY: SIG_DFL installs no handler code of ours.
+                let _ = unsafe { signal(s, SigHandler::SigDfl) };
+            }
+        }
     }
 }

@@ -129,8 +129,11 @@ pub enum VerifyError {
     },
 }
 
+/// Verify's sessions: text forms that compare, and no statement bound (a
+/// checksum over a large table runs as long as it takes).
 const SESSION: &str = "SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'postgres'; \
-                       SET extra_float_digits = 3; SET bytea_output = 'hex'; SET lc_monetary = 'C'";
+                       SET extra_float_digits = 3; SET bytea_output = 'hex'; SET lc_monetary = 'C'; \
+                       SET statement_timeout = 0";
 
 /// Columns of a table (canonical order) and its key columns as (quoted
 /// name, type) (primary key, else the replica identity index), read from

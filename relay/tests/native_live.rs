@@ -707,7 +707,10 @@ fn run_with_native_capture_converges() {
         let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
             return;
         };
-        let schema = "CREATE TABLE public.orders (id bigint PRIMARY KEY, note text, qty int)";
+        // A mixed-case name with a comma: the worker's tables option
+        // carries it quoted, as SQL spells it.
+        let schema = "CREATE TABLE public.orders (id bigint PRIMARY KEY, note text, qty int);
+                      CREATE TABLE public.\"Line,Items\" (id bigint PRIMARY KEY, \"Qty\" int)";
         source.psql(schema);
         source.psql("CREATE TABLE public.elsewhere (id bigint PRIMARY KEY)");
         target.psql(schema);
@@ -748,6 +751,8 @@ fn run_with_native_capture_converges() {
             &target.connection_string("postgres"),
             "--table",
             "public.orders",
+            "--table",
+            "public.\"Line,Items\"",
             "--capture",
             "native",
             "--evaluate",
@@ -759,13 +764,19 @@ fn run_with_native_capture_converges() {
             "INSERT INTO public.orders SELECT i, 'n' || i, i FROM generate_series(501, 800) i;
              UPDATE public.orders SET qty = qty + 1 WHERE id <= 100;
              DELETE FROM public.orders WHERE id BETWEEN 200 AND 210;
-             INSERT INTO public.elsewhere SELECT generate_series(1, 50);",
+             INSERT INTO public.elsewhere SELECT generate_series(1, 50);
+             INSERT INTO public.\"Line,Items\" SELECT i, i FROM generate_series(1, 40) i;
+             UPDATE public.\"Line,Items\" SET \"Qty\" = 0 WHERE id <= 5;",
         );
         let second = trellara(&["run", "--config", "trellara.yml", "--local", "--verify"]);
         assert!(second.contains("CONVERGED"), "{second}");
         assert_eq!(
             target.psql_value("SELECT count(*) || ':' || sum(qty) FROM public.orders"),
             source.psql_value("SELECT count(*) || ':' || sum(qty) FROM public.orders")
+        );
+        assert_eq!(
+            target.psql_value("SELECT count(*) || ':' || sum(\"Qty\") FROM public.\"Line,Items\""),
+            "40:805"
         );
         let status = source.psql_value("SELECT state FROM trellara.status()");
         assert_eq!(status, "stopped", "run stops the worker it started");

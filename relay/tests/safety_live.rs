@@ -816,7 +816,58 @@ fn stops_are_visible(major: Major) {
         }
     }
     assert!(said.contains("creating the slot waits"), "{said}");
+    // SIGTERM cancels the wait on the server: no walsender is left to
+    // create the slot once the transaction ends, with nobody to read it.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let stopped = std::time::Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if stopped.elapsed() > std::time::Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("the run ignored SIGTERM while creating its slot");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let walsenders =
+        || c.psql_value("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender'");
+    let gone = std::time::Instant::now();
+    while walsenders() != "0" && gone.elapsed() < std::time::Duration::from_secs(5) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(
+        walsenders(),
+        "0",
+        "the slot creation was cancelled on the server"
+    );
     src.batch_execute("ROLLBACK PREPARED 'pay42'")
+        .expect("rollback prepared");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(
+        c.psql_value("SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'trellara_p'"),
+        "0",
+        "no slot appears once the transaction ends"
+    );
+
+    // A run whose wait ends goes on.
+    src.batch_execute(
+        "BEGIN; INSERT INTO public.nokey VALUES (98, 'p'); PREPARE TRANSACTION 'pay43'",
+    )
+    .expect("prepare");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["run", "--config", "p.yml", "--local"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn run");
+    let waiting = std::time::Instant::now();
+    while walsenders() == "0" && waiting.elapsed() < std::time::Duration::from_secs(30) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    src.batch_execute("ROLLBACK PREPARED 'pay43'")
         .expect("rollback prepared");
     assert!(
         child.wait().expect("wait").success(),
@@ -1265,4 +1316,65 @@ fn a_closed_pipe_is_not_a_panic() {
         assert!(!stderr.contains("panicked"), "{}: {stderr}", args.join(" "));
         assert_eq!(out.status.code(), Some(0), "{}: {stderr}", args.join(" "));
     }
+}
+
+/// A catalog statement blocked behind a lock is an error naming the
+/// timeout, not a hang (the majors run side by side: each waits 30 s).
+#[test]
+fn a_catalog_statement_behind_a_lock_is_an_error_not_a_hang() {
+    let majors: Vec<_> = Major::ALL
+        .into_iter()
+        .map(|major| std::thread::spawn(move || blocked_catalog(major)))
+        .collect();
+    for m in majors {
+        m.join().expect("a major's scenario");
+    }
+}
+
+fn blocked_catalog(major: Major) {
+    let Some(c) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    databases(&c, &["src", "tgt"], TABLES);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    write_flow(
+        d,
+        "trellara.yml",
+        "lock",
+        &c.connection_string("src"),
+        &c.connection_string("tgt"),
+        &["public.orders"],
+    );
+    exits(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        0,
+        "a first run",
+    );
+    let mut holder = c.try_connect("tgt").expect("connect");
+    holder
+        .batch_execute("BEGIN; LOCK TABLE trellara.checkpoints IN ACCESS EXCLUSIVE MODE")
+        .expect("lock");
+    let started = std::time::Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["status", "--config", "trellara.yml"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    while child.try_wait().expect("wait").is_none() {
+        if started.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("status hangs behind a lock on {major}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let text = exits(
+        &child.wait_with_output().expect("output"),
+        1,
+        "status behind a lock",
+    );
+    assert!(text.contains("statement timeout"), "{major}: {text}");
+    holder.batch_execute("ROLLBACK").expect("unlock");
 }

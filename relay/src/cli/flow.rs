@@ -603,12 +603,15 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             let (source_url, target_url) = flow::urls(f, index)?;
             let target = flow::connect(&target_url, "target").await?;
             if !crate::state::present(&target).await? {
-                return anyhow::Ok(json!({
+                let mut v = json!({
                     "flow": f.name,
-                    "throwaway_target": throwaway,
                     "never_ran": true,
                     "next": [format!("trellara preflight --config {path}"), format!("trellara run --config {path} --flow {} --local --verify", f.name)],
-                }));
+                });
+                if let Some(t) = throwaway {
+                    v["throwaway_target"] = t;
+                }
+                return anyhow::Ok(v);
             }
             let q = |sql: &'static str| {
                 let target = &target;
@@ -626,9 +629,11 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 "snapshot": snapshot.first().map(|r| json!({"state": r.get::<_, String>(0), "consistent_lsn": r.get::<_, Option<String>>(1), "run_id": r.get::<_, i64>(2), "reason": r.get::<_, String>(3)})),
                 "quarantined": quarantine.iter().map(|r| json!({"commit_lsn": r.get::<_, String>(0), "xid": r.get::<_, i64>(1), "reason": r.get::<_, String>(2), "recovery": r.get::<_, String>(3), "attempts": r.get::<_, i32>(4)})).collect::<Vec<_>>(),
                 "last_verify": last_verify.first().map(|r| json!({"verdict": r.get::<_, String>(0), "at": r.get::<_, String>(1)})),
-                "throwaway_target": throwaway,
                 "never_ran": false,
             });
+            if let Some(t) = throwaway {
+                v["throwaway_target"] = t;
+            }
             if let Some(stop) = crate::state::stop(&target, &f.name).await? {
                 v["stopped"] = serde_json::to_value(stop)?;
             }
