@@ -569,6 +569,37 @@ impl PgSnapshot<'_> {
     /// every table, every kind of change, no row filter, partitioned tables
     /// under their own name. The flow's own publication (default name) is
     /// brought up to that; one the operator named is refused with the fix.
+    /// Claims the flow's slot on the target before anything is created on
+    /// the source, refusing a slot of its name this target never claimed:
+    /// another config's flow of the same name streams it, and dropping or
+    /// sharing it would lose that flow's changes.
+    async fn claim_slot(&mut self) -> Result<(), SnapshotError> {
+        let slot = self.flow.slot();
+        let here: bool = self
+            .source
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database())",
+                &[&slot],
+            )
+            .await
+            .map_err(SnapshotError::Source)?
+            .get(0);
+        if here
+            && !crate::state::owns_slot(self.target, &self.flow.name, &slot)
+                .await
+                .map_err(SnapshotError::Target)?
+        {
+            return Err(SnapshotError::Table {
+                table: "-".into(),
+                problem: format!("{}", crate::preflight::NotOurSlot(&slot)),
+                hint: crate::preflight::not_our_slot_fix(&slot),
+            });
+        }
+        crate::state::claim_slot(self.target, &self.flow.name, &slot)
+            .await
+            .map_err(SnapshotError::Target)
+    }
+
     async fn reconcile_publication(
         &mut self,
         publication: &str,
@@ -602,7 +633,7 @@ impl PgSnapshot<'_> {
                     "WITH rel AS (SELECT pr.prqual, pr.prattrs FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
                                   WHERE p.pubname = $1 AND pr.prrelid = to_regclass($3))
                      SELECT EXISTS (SELECT 1 FROM rel)
-                            OR EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname || '.' || tablename = $2),
+                            OR EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND format('%I.%I', schemaname, tablename)::regclass = to_regclass($3)),
                             EXISTS (SELECT 1 FROM rel WHERE prqual IS NOT NULL OR prattrs IS NOT NULL)",
                     &[&publication, table, &quoted],
                 )
@@ -681,6 +712,7 @@ impl RunStore for PgSnapshot<'_> {
 
 impl SnapshotIo for PgSnapshot<'_> {
     async fn ensure_publication(&mut self) -> Result<Option<String>, SnapshotError> {
+        self.claim_slot().await?;
         let publication = self.flow.publication();
         let exists: bool = self
             .source

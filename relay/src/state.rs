@@ -74,6 +74,15 @@ CREATE TABLE IF NOT EXISTS trellara.verify_runs (
     verdict text NOT NULL,
     evidence jsonb NOT NULL
 );
+-- The slots this flow is about to create or has created on its source,
+-- written before the creation: a slot of the flow's name without a claim
+-- here is another flow's (a config elsewhere with the same flow name).
+CREATE TABLE IF NOT EXISTS trellara.slot_claims (
+    flow text NOT NULL,
+    slot text NOT NULL,
+    claimed_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (flow, slot)
+);
 ";
 
 /// Creates the state schema if missing (idempotent).
@@ -107,6 +116,58 @@ pub async fn record_stop(
         )
         .await
         .map(drop)
+}
+
+/// Records, before creating it, that `slot` on the source is `flow`'s.
+pub async fn claim_slot(
+    client: &Client,
+    flow: &str,
+    slot: &str,
+) -> Result<(), tokio_postgres::Error> {
+    client
+        .execute(
+            "INSERT INTO trellara.slot_claims (flow, slot) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+            &[&flow, &slot],
+        )
+        .await
+        .map(drop)
+}
+
+/// Whether this target records `slot` as `flow`'s: claimed, or (a flow
+/// that ran before claims existed) snapshotted here. Read-only: a target
+/// without the state tables owns nothing.
+pub async fn owns_slot(
+    client: &Client,
+    flow: &str,
+    slot: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    let tables: (bool, bool) = {
+        let row = client
+            .query_one(
+                "SELECT to_regclass('trellara.slot_claims') IS NOT NULL,
+                        to_regclass('trellara.snapshot_runs') IS NOT NULL",
+                &[],
+            )
+            .await?;
+        (row.get(0), row.get(1))
+    };
+    let claimed = tables.0
+        && client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM trellara.slot_claims WHERE flow = $1 AND slot = $2)",
+                &[&flow, &slot],
+            )
+            .await?
+            .get::<_, bool>(0);
+    let snapshotted = tables.1
+        && client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM trellara.snapshot_runs WHERE flow = $1)",
+                &[&flow],
+            )
+            .await?
+            .get::<_, bool>(0);
+    Ok(claimed || snapshotted)
 }
 
 /// Forgets a recorded stop: the flow ran again and ended well.

@@ -26,9 +26,10 @@ pub fn publication_marker_literal(flow: &str) -> String {
 }
 
 /// The flow's state tables on the target, each keyed by `flow`.
-const STATE_TABLES: [&str; 6] = [
+const STATE_TABLES: [&str; 7] = [
     "trellara.checkpoints",
     "trellara.flow_stops",
+    "trellara.slot_claims",
     "trellara.snapshot_runs",
     "trellara.snapshot_tables",
     "trellara.quarantine",
@@ -187,8 +188,20 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
             kept.push("the trellara extension on the source (DROP EXTENSION trellara when nothing uses it)".into());
         }
     }
+    // A slot (and publication) of the flow's name is this flow's only when
+    // its target claimed it: another config's flow of the same name may
+    // stream it.
+    let ours = crate::state::owns_slot(target, &flow.name, &slot)
+        .await
+        .map_err(TeardownError::Target)?;
     if active.is_some() {
-        steps.push(Step::Slot { name: slot });
+        if ours {
+            steps.push(Step::Slot { name: slot });
+        } else {
+            kept.push(format!(
+                "replication slot {slot} on the source: this flow's target has no record of creating it (another config's flow of the same name, or another tool's)"
+            ));
+        }
     }
     let publication = flow.publication();
     let comment: Option<Option<String>> = source
@@ -200,9 +213,13 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
         .map_err(TeardownError::Source)?
         .map(|r| r.get(0));
     match comment {
-        Some(Some(c)) if c == publication_marker(&flow.name) => {
+        Some(Some(c)) if c == publication_marker(&flow.name) && ours => {
             steps.push(Step::Publication { name: publication });
         }
+        Some(Some(c)) if c == publication_marker(&flow.name) => kept.push(format!(
+            "publication {publication} on the source: made by trellara for a flow named {}, but this flow's target has no record of it (another config's flow of that name?)",
+            flow.name
+        )),
         Some(_) => kept.push(format!(
             "publication {publication} on the source: trellara did not create it"
         )),

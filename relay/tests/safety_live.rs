@@ -1378,3 +1378,93 @@ fn blocked_catalog(major: Major) {
     assert!(text.contains("statement timeout"), "{major}: {text}");
     holder.batch_execute("ROLLBACK").expect("unlock");
 }
+
+/// Two configs made by `init` in one directory name their flow `main`
+/// alike, so both default to slot and publication `trellara_main`. On one
+/// source into two targets, the second is refused before it could drop or
+/// share the first's slot, and its teardown keeps what the first streams.
+#[test]
+fn a_flow_of_the_same_name_never_takes_another_configs_slot() {
+    on_every_major(same_name);
+}
+
+fn same_name(major: Major) {
+    let Some(c) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    databases(&c, &["src", "ta", "tb"], TABLES);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    for (file, target) in [("a.yml", "ta"), ("b.yml", "tb")] {
+        exits(
+            &trellara(
+                d,
+                &[
+                    "init",
+                    "--source-database-url",
+                    &c.connection_string("src"),
+                    "--target-database-url",
+                    &c.connection_string(target),
+                    "--table",
+                    "public.orders",
+                    "--evaluate",
+                    "--output",
+                    file,
+                ],
+            ),
+            0,
+            "init",
+        );
+    }
+    let text = exits(
+        &trellara(d, &["run", "--config", "a.yml", "--local", "--verify"]),
+        0,
+        "the first config's flow",
+    );
+    assert!(text.contains("main CONVERGED"), "{text}");
+    let src_before = footprint(&c, "src");
+    let tb_before = footprint(&c, "tb");
+    for args in [
+        &["preflight", "--config", "b.yml"][..],
+        &["run", "--config", "b.yml", "--local"],
+        &["reseed", "--config", "b.yml"],
+    ] {
+        let text = exits(&trellara(d, args), 3, &args.join(" "));
+        assert!(
+            text.contains("replication slot trellara_main exists")
+                && text.contains("give this flow its own source.slot"),
+            "{text}"
+        );
+        assert_eq!(footprint(&c, "src"), src_before, "{}", args.join(" "));
+        assert_eq!(footprint(&c, "tb"), tb_before, "{}", args.join(" "));
+    }
+    let text = exits(
+        &trellara(d, &["teardown", "--config", "b.yml", "--yes"]),
+        0,
+        "the second config's teardown",
+    );
+    assert!(
+        text.contains("kept: replication slot trellara_main")
+            && text.contains("kept: publication trellara_main"),
+        "{text}"
+    );
+    assert_eq!(
+        footprint(&c, "src"),
+        src_before,
+        "teardown kept the first flow's slot"
+    );
+    // The first flow lost nothing.
+    c.try_connect("src")
+        .expect("connect")
+        .batch_execute("INSERT INTO public.orders VALUES (100, 'after'); DELETE FROM public.orders WHERE id = 1")
+        .expect("write");
+    let text = exits(
+        &trellara(d, &["run", "--config", "a.yml", "--local", "--verify"]),
+        0,
+        "the first flow again",
+    );
+    assert!(
+        text.contains("main CONVERGED") && text.contains("applied 1 transactions"),
+        "{text}"
+    );
+}
