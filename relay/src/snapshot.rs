@@ -631,11 +631,11 @@ impl PgSnapshot<'_> {
             let row = source
                 .query_one(
                     "WITH rel AS (SELECT pr.prqual, pr.prattrs FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
-                                  WHERE p.pubname = $1 AND pr.prrelid = to_regclass($3))
+                                  WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2))
                      SELECT EXISTS (SELECT 1 FROM rel)
-                            OR EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND format('%I.%I', schemaname, tablename)::regclass = to_regclass($3)),
+                            OR EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND format('%I.%I', schemaname, tablename)::regclass = to_regclass($2)),
                             EXISTS (SELECT 1 FROM rel WHERE prqual IS NOT NULL OR prattrs IS NOT NULL)",
-                    &[&publication, table, &quoted],
+                    &[&publication, &quoted],
                 )
                 .await
                 .map_err(SnapshotError::Source)?;

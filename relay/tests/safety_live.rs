@@ -246,6 +246,29 @@ fn hostile_flows(major: Major) {
         );
         unchanged(args[0]);
     }
+    // With a second flow that fails otherwise, the exit says the worst: 1.
+    let two = format!(
+        "{}  - name: down\n    source:\n      url: {}\n    target:\n      url: postgresql://u@127.0.0.1:1/x?connect_timeout=1\n    tables: [public.orders]\n    transport:\n      kind: local\n      log_dir: ./.trellara/down/log\n",
+        config(
+            "nokey",
+            &tcp("src"),
+            &tcp("tgt"),
+            &["public.orders", "public.nokey"],
+            "./.trellara/nokey/log"
+        ),
+        tcp("src2")
+    );
+    std::fs::write(d.join("mixed.yml"), two).expect("write config");
+    let text = exits(
+        &trellara(d, &["run", "--config", "mixed.yml", "--local"]),
+        1,
+        "a refused flow and a failed one",
+    );
+    assert!(
+        text.contains("C06") && text.contains("connect to the target database"),
+        "{text}"
+    );
+    unchanged("a refused flow and a failed one");
     let mut app = c.try_connect("src").expect("connect");
     app.batch_execute(
         "UPDATE public.nokey SET b = b || '!' WHERE a = 1; DELETE FROM public.nokey WHERE a = 2",

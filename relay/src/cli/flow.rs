@@ -446,12 +446,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
     }
     if !failed.is_empty() {
-        for e in &failed[..failed.len() - 1] {
+        // The exit status speaks for the worst: 3 (refused, nothing
+        // changed) only when every failed flow was refused.
+        let worst = failed
+            .iter()
+            .position(|e| super::exit_status(e, 1) != super::EXIT_BLOCKED)
+            .unwrap_or(failed.len() - 1);
+        let returned = failed.remove(worst);
+        for e in &failed {
             eprintln!("error: {}", super::chain(e));
         }
-        if let Some(last) = failed.pop() {
-            return Err(last);
-        }
+        return Err(returned);
     }
     if args.format == Format::Json && !args.verify {
         let out: Vec<_> = reports.iter().map(run_json).collect();
@@ -655,7 +660,8 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 });
             }
             anyhow::Ok(v)
-        })?;
+        })
+        .with_context(|| format!("status flow {}", f.name))?;
         out.push(value);
     }
     match args.format {
