@@ -622,14 +622,21 @@ async fn read_slots(
 }
 
 /// Validates `schema.name` (or `name`) and returns it for `to_regclass`.
-fn table_name(name: &str) -> Result<String, CheckError> {
+/// `schema.table` as SQL spells it (quoted for to_regclass), or a bare
+/// table name, which the session's search_path resolves.
+fn table_name(name: &str) -> Result<(String, String), CheckError> {
+    use trellara_common::table_name::TableName;
     let trimmed = name.trim();
-    let ok = !trimmed.is_empty()
-        && trimmed.len() <= 200
-        && !trimmed.contains(['\\', '\0', ';'])
-        && trimmed.split('.').count() <= 2;
-    if ok {
-        Ok(trimmed.to_owned())
+    if let Ok(qualified) = TableName::parse(trimmed) {
+        return Ok((qualified.quoted(), qualified.to_string()));
+    }
+    let bare = !trimmed.is_empty()
+        && trimmed.len() <= 63
+        && trimmed
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || !c.is_ascii());
+    if bare {
+        Ok((trimmed.to_owned(), trimmed.to_owned()))
     } else {
         Err(CheckError::TableName(name.to_owned()))
     }
@@ -643,8 +650,11 @@ async fn read_tables(
     let mut missing = Vec::new();
     let mut oids = Vec::new();
     for name in requested {
-        let name = table_name(name)?;
-        let sql = format!("SELECT to_regclass({})::oid AS oid", quote_literal(&name));
+        let (sql_name, name) = table_name(name)?;
+        let sql = format!(
+            "SELECT to_regclass({})::oid AS oid",
+            quote_literal(&sql_name)
+        );
         match s.probe("resolve table", &sql).await? {
             Probe::Rows(rows) => match rows.first().and_then(|r| int(r, "oid")) {
                 Some(oid) => oids.push(oid),
@@ -886,7 +896,12 @@ mod tests {
 
     #[test]
     fn table_names_are_checked() {
-        assert!(table_name("public.orders").is_ok());
+        assert_eq!(
+            table_name("public.orders").unwrap().0,
+            "\"public\".\"orders\""
+        );
+        assert_eq!(table_name("Public.Orders").unwrap().1, "public.orders");
+        assert_eq!(table_name("s.\"a.b;c\"").unwrap().0, "\"s\".\"a.b;c\"");
         assert!(table_name("orders").is_ok());
         assert!(table_name("a.b.c").is_err());
         assert!(table_name("x; DROP TABLE y").is_err());

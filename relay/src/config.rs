@@ -243,15 +243,26 @@ impl std::fmt::Display for ConfigIssue {
 
 /// A [`parse`] error as an issue: serde_yaml names the field path first
 /// (`flows[0].source: unknown field ...`) and the line last.
-pub fn parse_issue(message: &str) -> ConfigIssue {
+pub fn parse_issue(text: &str, message: &str) -> ConfigIssue {
     let (first, hint) = message.split_once("\nhint: ").unwrap_or((message, ""));
     let (field, problem) = match first.split_once(": ") {
         Some((field, problem)) if !field.contains(' ') => (field, problem),
         _ => ("(file)", first),
     };
-    let line = problem
-        .rsplit_once(" at line ")
-        .and_then(|(_, at)| at.split(' ').next()?.parse().ok());
+    let (problem, mut line) = match problem.split_once(" at line ") {
+        Some((problem, at)) => (problem, at.split(' ').next().and_then(|l| l.parse().ok())),
+        None => (problem, None),
+    };
+    // serde points at the mapping; the unknown key has a line of its own.
+    if let Some(key) = problem
+        .strip_prefix("unknown field `")
+        .and_then(|rest| rest.split_once('`'))
+        .map(|(key, _)| key)
+        && let Some(at) = line_of(text, &format!("{field}.{key}"))
+        && at > line.unwrap_or(0)
+    {
+        line = Some(at);
+    }
     ConfigIssue {
         field: field.to_owned(),
         line,
@@ -399,7 +410,7 @@ pub enum ConfigError {
     )]
     Read {
         path: String,
-        #[source]
+        // In the message, before its hint; not also a cause to print again.
         source: std::io::Error,
     },
     #[error("{path}: {message}")]
@@ -572,6 +583,18 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
                     "set a distinct source.slot / source.publication, or rename the flow (names that differ only in '-' and '_' default to the same ones)",
                 );
             }
+        }
+        if let Some(dir) = &flow.target.throwaway
+            && dir.file_name().is_none_or(|n| n == ".")
+        {
+            issue(
+                at("target.throwaway"),
+                format!(
+                    "{:?} names no directory of its own",
+                    dir.display().to_string()
+                ),
+                "leave the throwaway path init wrote (./.trellara/<config>/<flow>/target)",
+            );
         }
         if flow.target.throwaway.is_some() && config.environment == Environment::Production {
             issue(
@@ -896,12 +919,10 @@ flows:
     #[test]
     fn a_parse_error_names_its_field_and_line() {
         let bad = GOOD.replace("url_env: TARGET_URL", "url_env: TARGET_URL\n      bogus: 1");
-        let issue = parse_issue(&parse(&bad).expect_err("unknown field"));
+        let issue = parse_issue(&bad, &parse(&bad).expect_err("unknown field"));
         assert_eq!(issue.field, "flows[0].target");
-        assert!(
-            issue.line.is_some_and(|l| (7..=9).contains(&l)),
-            "{issue:?}"
-        );
+        assert_eq!(issue.line, Some(10), "the unknown key's own line: {issue:?}");
+        assert!(!issue.problem.contains("at line"), "the line once: {issue:?}");
         assert!(issue.problem.contains("unknown field `bogus`"), "{issue:?}");
         assert!(issue.fix.contains("docs/CONFIG.md"), "{issue:?}");
     }

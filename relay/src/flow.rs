@@ -399,7 +399,7 @@ pub fn urls(flow: &Flow, index: usize) -> Result<(String, String), FlowError> {
     let source = flow.source.url.resolve(&format!("flows[{index}].source"))?;
     let target = match &flow.target.throwaway {
         // Started when a command first needs it, left running until teardown.
-        Some(dir) => crate::throwaway::start(dir)?,
+        Some(dir) => crate::throwaway::start(dir, &flow.name)?,
         None => flow.target.url.resolve(&format!("flows[{index}].target"))?,
     };
     Ok((source, target))
@@ -635,7 +635,9 @@ async fn run_round<W: Watch>(
         let stop = shutdown.clone().filter(|_| follow);
         match snapshot::run(flow, &source_url, &source, &target, progress, stop).await {
             Ok(copied) => report.snapshot = Some(copied),
-            Err(e @ snapshot::SnapshotError::Stopped) => {
+            // Following, a stop is the end asked for; a run that was to
+            // end at the source's position did not get there: an error.
+            Err(e @ snapshot::SnapshotError::Stopped) if follow => {
                 progress(&e.to_string());
                 return Ok(report);
             }

@@ -9,10 +9,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     cli::init_tracing(cli.verbose);
     match cli::run(cli) {
+        Ok(_) if let Some(e) = cli::output_error() => {
+            cli::write_err(format_args!("error: standard output: {e}\n"));
+            ExitCode::from(1)
+        }
         Ok(code) => code,
         Err(err) => {
-            // `{:#}` prints the whole context chain: what failed and why.
-            eprintln!("error: {}", cli::chain(&err));
+            // The whole context chain: what failed and why.
+            cli::write_err(format_args!("error: {}\n", cli::chain(&err)));
             ExitCode::from(cli::exit_status(&err, 1))
         }
     }

@@ -53,7 +53,9 @@ pub enum SnapshotError {
         problem: String,
         fix: String,
     },
-    #[error("the snapshot was stopped by a signal while copying; the next run plans it again")]
+    #[error(
+        "the snapshot was stopped by a signal before its handoff (nothing of it is kept); the next run plans it again"
+    )]
     Stopped,
     #[error("snapshot state {from} cannot become {to}")]
     Transition {

@@ -267,9 +267,11 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
         }
     }
     match &flow.target.throwaway {
-        Some(dir) if crate::throwaway::is_ours(dir) => steps.push(Step::ThrowawayTarget {
-            path: dir.display().to_string(),
-        }),
+        Some(dir) if crate::throwaway::is_ours(dir, &flow.name) => {
+            steps.push(Step::ThrowawayTarget {
+                path: dir.display().to_string(),
+            })
+        }
         _ => kept.push(format!(
             "the target tables {} and their rows",
             flow.tables.join(", ")
@@ -365,9 +367,10 @@ pub async fn execute(
                 })?;
                 let _ = std::fs::remove_file(dir.with_extension("sock"));
                 let _ = std::fs::remove_file(crate::lock::lock_path(&dir));
+                crate::throwaway::remove_empty_parents(&dir);
             }
             Step::ThrowawayTarget { path } => {
-                crate::throwaway::remove(std::path::Path::new(path))?;
+                crate::throwaway::remove(std::path::Path::new(path), &flow.name)?;
             }
         }
         done.push(step.describe(&flow.name));

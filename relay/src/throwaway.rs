@@ -35,13 +35,25 @@ pub enum ThrowawayError {
     )]
     PathTooLong(String),
     #[error(
+        "the throwaway target's directory {0} has a comma, a double quote or a backslash, which the server's unix_socket_directories cannot hold\nhint: run init from another directory, use another --output name, or pass --target-database-url"
+    )]
+    PathCharacters(String),
+    #[error(
         "{0} exists and is not a throwaway target made by trellara init\nhint: remove it or choose another --flow or --output"
     )]
     NotOurs(String),
     #[error(
-        "{0} is not a throwaway target (no PostgreSQL data directory there)\nhint: recreate it with `trellara init --evaluate` (without --target-database-url)"
+        "{0} holds the throwaway target of an earlier init (it may be running, with the flow's state)\nhint: remove it with `trellara teardown --config ... --yes` first, or choose another --flow or --output"
+    )]
+    Earlier(String),
+    #[error(
+        "the throwaway target {0} is gone\nhint: recreate it with `trellara init --evaluate --force` (without --target-database-url); what the flow left on the source (its slot and publication, trellara_<flow> by default) is then removed by `trellara teardown --yes`, or by hand: SELECT pg_drop_replication_slot('trellara_<flow>'); DROP PUBLICATION trellara_<flow>"
     )]
     Missing(String),
+    #[error(
+        "{dir} is not the throwaway target init made for flow {flow} (another flow's, a link, or not one at all); nothing there is used, stopped or removed\nhint: point target.throwaway at this flow's own, or run `trellara init --evaluate` for it"
+    )]
+    NotThisFlows { dir: String, flow: String },
     #[error(
         "running as root, the throwaway target needs the system user {OS_USER} (initdb refuses root), and it does not exist\nhint: run scripts/setup (it creates the user), or run trellara as a user that is not root"
     )]
@@ -168,12 +180,26 @@ fn run(bindir: &Path, binary: &str, args: &[&str], what: &str) -> Result<String,
 /// starts it. The directories between `base` and it are made owner-only;
 /// as root, the cluster's user may also pass through them (0711: no
 /// listing). A failure removes the cluster.
-pub fn create(dir: &Path, base: &Path, major: u32, flow: &str) -> Result<(), ThrowawayError> {
+pub fn create(
+    dir: &Path,
+    base: &Path,
+    major: u32,
+    locale: Option<(&str, &str)>,
+    flow: &str,
+) -> Result<(), ThrowawayError> {
     if dir.exists() {
-        return Err(ThrowawayError::NotOurs(dir.display().to_string()));
+        return Err(if dir.join(MARKER).is_file() {
+            ThrowawayError::Earlier(dir.display().to_string())
+        } else {
+            ThrowawayError::NotOurs(dir.display().to_string())
+        });
     }
     if dir.display().to_string().len() > MAX_SOCKET_DIR {
         return Err(ThrowawayError::PathTooLong(dir.display().to_string()));
+    }
+    // unix_socket_directories is a comma-separated list of quoted names.
+    if dir.display().to_string().contains([',', '"', '\\']) {
+        return Err(ThrowawayError::PathCharacters(dir.display().to_string()));
     }
     let bindir = find_bindir(major)?;
     if as_root()
@@ -213,21 +239,36 @@ pub fn create(dir: &Path, base: &Path, major: u32, flow: &str) -> Result<(), Thr
             })?;
         }
         let d = dir.display().to_string();
-        run(
-            &bindir,
-            "initdb",
-            &[
-                "-D",
-                &d,
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "--encoding=UTF8",
-                "--locale=C",
-            ],
-            "initdb the throwaway target",
-        )
-        .map_err(|e| match e {
+        let initdb = |collate: &str, ctype: &str| {
+            run(
+                &bindir,
+                "initdb",
+                &[
+                    "-D",
+                    &d,
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "--encoding=UTF8",
+                    &format!("--lc-collate={collate}"),
+                    &format!("--lc-ctype={ctype}"),
+                    "--lc-messages=C",
+                ],
+                "initdb the throwaway target",
+            )
+        };
+        // The source database's sort order, so text keys compare alike on
+        // both sides; C where this machine lacks that locale, said so.
+        let made = match locale {
+            Some((collate, ctype)) if (collate, ctype) != ("C", "C") => {
+                initdb(collate, ctype).or_else(|e| {
+                    tracing::warn!(collate, ctype, error = %e, "the source's locale is not usable here; the throwaway target sorts text as C");
+                    initdb("C", "C")
+                })
+            }
+            _ => initdb("C", "C"),
+        };
+        made.map_err(|e| match e {
             ThrowawayError::Command { what, detail } if as_root() => ThrowawayError::Command {
                 what,
                 detail: format!(
@@ -250,23 +291,35 @@ pub fn create(dir: &Path, base: &Path, major: u32, flow: &str) -> Result<(), Thr
             .map_err(io(&conf_path))?;
         let marker = dir.join(MARKER);
         std::fs::write(&marker, format!("{flow}\n")).map_err(io(&marker))?;
-        start(dir).map(drop)
+        start(dir, flow).map(drop)
     })();
     if result.is_err() {
-        let _ = stop(dir);
+        let _ = stop(dir, flow);
         let _ = std::fs::remove_dir_all(dir);
+        remove_empty_parents(dir);
     }
     result
 }
 
-/// Whether `dir` is a throwaway target made by init.
-pub fn is_ours(dir: &Path) -> bool {
-    dir.join(MARKER).is_file() && dir.join("PG_VERSION").is_file()
+/// Whether `dir` is the throwaway target init made for `flow`: its own
+/// directory (not a link to one), marked with the flow's name. Another
+/// flow's is not this flow's to apply into, stop or remove.
+pub fn is_ours(dir: &Path, flow: &str) -> bool {
+    let real = std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir());
+    real && dir.join("PG_VERSION").is_file()
+        && std::fs::read_to_string(dir.join(MARKER)).is_ok_and(|m| m.trim() == flow)
 }
 
-fn major_of(dir: &Path) -> Result<u32, ThrowawayError> {
-    if !is_ours(dir) {
-        return Err(ThrowawayError::Missing(dir.display().to_string()));
+fn major_of(dir: &Path, flow: &str) -> Result<u32, ThrowawayError> {
+    if !is_ours(dir, flow) {
+        return Err(if !dir.exists() {
+            ThrowawayError::Missing(dir.display().to_string())
+        } else {
+            ThrowawayError::NotThisFlows {
+                dir: dir.display().to_string(),
+                flow: flow.to_owned(),
+            }
+        });
     }
     let path = dir.join("PG_VERSION");
     let text = std::fs::read_to_string(&path).map_err(io(&path))?;
@@ -276,15 +329,15 @@ fn major_of(dir: &Path) -> Result<u32, ThrowawayError> {
 }
 
 /// Whether its server is up (`pg_ctl status`).
-pub fn running(dir: &Path) -> Result<bool, ThrowawayError> {
-    let bindir = find_bindir(major_of(dir)?)?;
+pub fn running(dir: &Path, flow: &str) -> Result<bool, ThrowawayError> {
+    let bindir = find_bindir(major_of(dir, flow)?)?;
     let d = dir.display().to_string();
     Ok(run(&bindir, "pg_ctl", &["status", "-D", &d], "pg_ctl status").is_ok())
 }
 
-/// Starts the cluster unless it is up; returns its URL.
-pub fn start(dir: &Path) -> Result<String, ThrowawayError> {
-    let bindir = find_bindir(major_of(dir)?)?;
+/// Starts `flow`'s cluster unless it is up; returns its URL.
+pub fn start(dir: &Path, flow: &str) -> Result<String, ThrowawayError> {
+    let bindir = find_bindir(major_of(dir, flow)?)?;
     let d = dir.display().to_string();
     if run(&bindir, "pg_ctl", &["status", "-D", &d], "pg_ctl status").is_err() {
         let log = dir.join("server.log").display().to_string();
@@ -305,9 +358,9 @@ pub fn start(dir: &Path) -> Result<String, ThrowawayError> {
     Ok(url(dir))
 }
 
-/// Stops the cluster if it is up.
-pub fn stop(dir: &Path) -> Result<(), ThrowawayError> {
-    let bindir = find_bindir(major_of(dir)?)?;
+/// Stops `flow`'s cluster if it is up.
+pub fn stop(dir: &Path, flow: &str) -> Result<(), ThrowawayError> {
+    let bindir = find_bindir(major_of(dir, flow)?)?;
     let d = dir.display().to_string();
     if run(&bindir, "pg_ctl", &["status", "-D", &d], "pg_ctl status").is_ok() {
         run(
@@ -320,10 +373,24 @@ pub fn stop(dir: &Path) -> Result<(), ThrowawayError> {
     Ok(())
 }
 
-/// Stops the cluster and removes its directory; only one init made.
-pub fn remove(dir: &Path) -> Result<(), ThrowawayError> {
-    stop(dir)?;
-    std::fs::remove_dir_all(dir).map_err(io(dir))
+/// Stops `flow`'s cluster and removes its directory, and the parents init
+/// made for it when that leaves them empty.
+pub fn remove(dir: &Path, flow: &str) -> Result<(), ThrowawayError> {
+    stop(dir, flow)?;
+    std::fs::remove_dir_all(dir).map_err(io(dir))?;
+    remove_empty_parents(dir);
+    Ok(())
+}
+
+/// Removes `path`'s parents up to `.trellara` (included) while each is
+/// empty: what init made for a flow, and nothing that holds anything.
+pub fn remove_empty_parents(path: &Path) {
+    for parent in path.ancestors().skip(1) {
+        let top = parent.file_name().is_some_and(|n| n == ".trellara");
+        if std::fs::remove_dir(parent).is_err() || top {
+            break;
+        }
+    }
 }
 
 /// Creates on the target each table of `tables` it lacks, as the source
@@ -354,8 +421,14 @@ pub async fn copy_tables(
         let columns = source
             .query(
                 "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull,
-                        CASE WHEN a.attgenerated = 's' THEN pg_get_expr(d.adbin, d.adrelid) END
+                        CASE WHEN a.attgenerated <> '' THEN pg_get_expr(d.adbin, d.adrelid) END,
+                        a.attgenerated::text,
+                        CASE WHEN a.attcollation <> 0 AND a.attcollation <> t.typcollation
+                             THEN quote_ident(cn.nspname) || '.' || quote_ident(co.collname) END
                  FROM pg_attribute a
+                 JOIN pg_type t ON t.oid = a.atttypid
+                 LEFT JOIN pg_collation co ON co.oid = a.attcollation
+                 LEFT JOIN pg_namespace cn ON cn.oid = co.collnamespace
                  LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
                  WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
                  ORDER BY a.attnum",
@@ -376,8 +449,16 @@ pub async fn copy_tables(
                     postgres_protocol::escape::escape_identifier(c.get::<_, &str>(0)),
                     c.get::<_, &str>(1)
                 );
+                if let Some(collation) = c.get::<_, Option<&str>>(5) {
+                    column.push_str(&format!(" COLLATE {collation}"));
+                }
                 if let Some(expr) = c.get::<_, Option<&str>>(3) {
-                    column.push_str(&format!(" GENERATED ALWAYS AS ({expr}) STORED"));
+                    let kind = if c.get::<_, &str>(4) == "v" {
+                        "VIRTUAL"
+                    } else {
+                        "STORED"
+                    };
+                    column.push_str(&format!(" GENERATED ALWAYS AS ({expr}) {kind}"));
                 }
                 if c.get::<_, bool>(2) {
                     column.push_str(" NOT NULL");
@@ -394,27 +475,40 @@ pub async fn copy_tables(
             .await
             .map_err(|e| fail(format!("source: {e}")))?;
         parts.extend(constraints.iter().map(|c| c.get::<_, String>(0)));
-        ddl.push(format!(
-            "CREATE SCHEMA IF NOT EXISTS {}; CREATE TABLE {quoted} ({});",
-            postgres_protocol::escape::escape_identifier(&name.schema),
-            parts.join(", ")
+        ddl.push((
+            table.clone(),
+            format!(
+                "CREATE SCHEMA IF NOT EXISTS {}; CREATE TABLE {quoted} ({});",
+                postgres_protocol::escape::escape_identifier(&name.schema),
+                parts.join(", ")
+            ),
         ));
         created.push(table.clone());
     }
-    if !ddl.is_empty() {
-        let result = target
-            .batch_execute(&format!("BEGIN; {} COMMIT;", ddl.join(" ")))
-            .await;
-        if result.is_err() {
+    // One transaction, each table's statements alone, so a failure names
+    // its own table.
+    let fail = |table: &str, e: tokio_postgres::Error| ThrowawayError::Table {
+        table: table.to_owned(),
+        message: format!(
+            "{}\nhint: create what the table needs on the throwaway target first (a type, a domain, a collation), or replicate into a target you prepared with --target-database-url",
+            e.as_db_error()
+                .map_or(e.to_string(), |d| d.message().to_owned())
+        ),
+    };
+    target
+        .batch_execute("BEGIN")
+        .await
+        .map_err(|e| fail("-", e))?;
+    for (table, statement) in &ddl {
+        if let Err(e) = target.batch_execute(statement).await {
             let _ = target.batch_execute("ROLLBACK").await;
+            return Err(fail(table, e));
         }
-        result.map_err(|e| ThrowawayError::Table {
-            table: created.join(", "),
-            message: e
-                .as_db_error()
-                .map_or(e.to_string(), |d| d.message().to_owned()),
-        })?;
     }
+    target
+        .batch_execute("COMMIT")
+        .await
+        .map_err(|e| fail("-", e))?;
     Ok(created)
 }
 

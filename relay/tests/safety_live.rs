@@ -847,13 +847,21 @@ fn stops_are_visible(major: Major) {
     )
     .expect("SIGTERM");
     let stopped = std::time::Instant::now();
-    while child.try_wait().expect("wait").is_none() {
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
         if stopped.elapsed() > std::time::Duration::from_secs(10) {
             let _ = child.kill();
             panic!("the run ignored SIGTERM while creating its slot");
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    };
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "a run stopped short of its end is no success"
+    );
     let walsenders =
         || c.psql_value("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender'");
     let gone = std::time::Instant::now();
@@ -1206,12 +1214,58 @@ fn throwaway_target(major: Major) {
         "{text}"
     );
 
+    // Another flow's config pointed at it uses, stops and removes nothing.
+    let other = yml.replace("name: ev", "name: other").replace(
+        "throwaway: ./.trellara/trellara/ev/target",
+        "throwaway: ./.trellara/trellara/ev/target\n",
+    );
+    std::fs::write(d.join("other.yml"), other).expect("write");
+    for args in [
+        &["status", "--config", "other.yml"][..],
+        &["teardown", "--config", "other.yml", "--yes"],
+    ] {
+        let text = exits(&trellara(d, args), 1, &args.join(" "));
+        assert!(
+            text.contains("is not the throwaway target init made for flow other"),
+            "{text}"
+        );
+        assert!(cluster.join("PG_VERSION").exists(), "{}", args.join(" "));
+    }
+    // Nor does init --force leave it behind with nothing naming it.
+    let text = exits(
+        &trellara(
+            d,
+            &[
+                "init",
+                "--source-database-url",
+                &source,
+                "--table",
+                "public.orders",
+                "--flow",
+                "ev",
+                "--evaluate",
+                "--force",
+            ],
+        ),
+        1,
+        "init --force over a config with a throwaway target",
+    );
+    assert!(text.contains("which --force would leave behind"), "{text}");
+    assert_eq!(
+        std::fs::read_to_string(d.join("trellara.yml")).expect("config"),
+        yml
+    );
+
     let text = exits(
         &trellara(d, &["teardown", "--config", "trellara.yml", "--yes"]),
         0,
         "teardown",
     );
     assert!(text.contains("the throwaway target cluster in"), "{text}");
+    assert!(
+        !d.join(".trellara").exists(),
+        "teardown leaves no empty directories"
+    );
     assert!(!cluster.exists(), "the throwaway target is removed");
     let left = footprint_slots(&c, "shop");
     assert_eq!(
@@ -1339,6 +1393,37 @@ fn a_closed_pipe_is_not_a_panic() {
         assert!(!stderr.contains("panicked"), "{}: {stderr}", args.join(" "));
         assert_eq!(out.status.code(), Some(0), "{}: {stderr}", args.join(" "));
     }
+    // Closed stderr: no panic, the command's own status.
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["status", "--config", "missing.yml"])
+        .stderr(writer)
+        .output()
+        .expect("run");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a missing config, told to nobody"
+    );
+    // Output lost to a full disk is a failure, not a success.
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("/dev/full");
+    let out = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["check", "--config", "trellara.yml", "--format", "json"])
+        .stdout(full)
+        .output()
+        .expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("standard output") && stderr.contains("No space left"),
+        "{stderr}"
+    );
 }
 
 /// A catalog statement blocked behind a lock is an error naming the

@@ -234,7 +234,7 @@ fn report(output: &std::path::Path, seeds: u64) -> anyhow::Result<ExitCode> {
     }
     html.push_str("</table>\n</body></html>\n");
     std::fs::write(output, &html).with_context(|| format!("write {}", output.display()))?;
-    eprintln!(
+    errln!(
         "wrote {}: {} scenarios, {failed} failed",
         output.display(),
         results.len()

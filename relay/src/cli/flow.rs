@@ -146,6 +146,31 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
             args.output.display()
         );
     }
+    if let Some(parent) = args.output.parent().filter(|p| !p.as_os_str().is_empty())
+        && !parent.is_dir()
+    {
+        anyhow::bail!(
+            "--output {}: directory {} does not exist\nhint: create it first, or write the config elsewhere",
+            args.output.display(),
+            parent.display()
+        );
+    }
+    // Replacing a config must not leave its throwaway target running with
+    // nothing that names it.
+    if args.output.exists()
+        && let Ok(old) = config::load(&args.output)
+        && let Some(dir) = old
+            .flows
+            .iter()
+            .find_map(|f| f.target.throwaway.as_ref().filter(|d| d.exists()))
+    {
+        anyhow::bail!(
+            "{} names the throwaway target {}, which --force would leave behind\nhint: remove it first with `trellara teardown --config {} --yes`",
+            args.output.display(),
+            dir.display(),
+            args.output.display()
+        );
+    }
     let reference = |inline: &str, var: &str| {
         if args.evaluate {
             SecretRef {
@@ -235,7 +260,7 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
         format!("# trellara.yml, schema v2: see docs/CONFIG.md\n{yaml}").as_bytes(),
     ) {
         if let Some(dir) = &made {
-            let _ = crate::throwaway::remove(dir);
+            let _ = crate::throwaway::remove(dir, &config.flows[0].name);
         }
         return Err(anyhow::Error::new(e).context(format!("write {}", args.output.display())));
     }
@@ -269,23 +294,31 @@ fn make_throwaway(
     flow: &Flow,
 ) -> anyhow::Result<()> {
     let rt = runtime()?;
-    let major = rt.block_on(async {
+    let (major, collate, ctype) = rt.block_on(async {
         let source = flow::connect(source_url, "source").await?;
-        let version: String = source
-            .query_one("SHOW server_version_num", &[])
+        let row = source
+            .query_one(
+                "SELECT current_setting('server_version_num'), datcollate::text, datctype::text
+                 FROM pg_database WHERE datname = current_database()",
+                &[],
+            )
             .await
-            .context("read the source's server_version_num")?
-            .get(0);
-        anyhow::Ok(version.parse::<u32>().context("server_version_num")? / 10000)
+            .context("read the source's version and locale")?;
+        let version: String = row.get(0);
+        anyhow::Ok((
+            version.parse::<u32>().context("server_version_num")? / 10000,
+            row.get::<_, String>(1),
+            row.get::<_, String>(2),
+        ))
     })?;
-    crate::throwaway::create(dir, base, major, &flow.name)?;
+    crate::throwaway::create(dir, base, major, Some((&collate, &ctype)), &flow.name)?;
     let copied = rt.block_on(async {
         let source = flow::connect(source_url, "source").await?;
         let target = flow::connect(&crate::throwaway::url(dir), "target").await?;
         anyhow::Ok(crate::throwaway::copy_tables(&source, &target, &flow.tables).await?)
     });
     if let Err(e) = copied {
-        let _ = crate::throwaway::remove(dir);
+        let _ = crate::throwaway::remove(dir, &flow.name);
         return Err(e.context("make the throwaway target (removed again)"));
     }
     Ok(())
@@ -325,7 +358,7 @@ pub fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
     })?;
     let issues = match config::parse(&text) {
         Ok(config) => config::located(&text, config::validate(&config)),
-        Err(message) => vec![config::parse_issue(&message)],
+        Err(message) => vec![config::parse_issue(&text, &message)],
     };
     match format {
         Format::Json => outln!(
@@ -355,7 +388,7 @@ fn grade(url: &str, request: &trellara_check::Request, format: &str) -> anyhow::
     let mut options: trellara_check::ConnectOptions = match url.parse() {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("error: --database-url: {e}");
+            errln!("error: --database-url: {e}");
             return Ok(ExitCode::from(EXIT_ERROR));
         }
     };
@@ -378,7 +411,7 @@ fn grade(url: &str, request: &trellara_check::Request, format: &str) -> anyhow::
                 message.push_str(&format!(": {s}"));
                 source = s.source();
             }
-            eprintln!("error: {message}");
+            errln!("error: {message}");
             Ok(ExitCode::from(err.exit_code() as u8))
         }
     }
@@ -430,7 +463,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             if text {
                 outln!("[{}] {line}", f.name);
             } else {
-                eprintln!("[{}] {line}", f.name);
+                errln!("[{}] {line}", f.name);
             }
         };
         // A flow that stops (a quarantined transaction, an unreachable
@@ -442,6 +475,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         };
         match round {
             Ok(report) => reports.push(report),
+            // A signal stops the process, not only this flow.
+            Err(e @ flow::FlowError::Snapshot(crate::snapshot::SnapshotError::Stopped)) => {
+                failed.push(anyhow::Error::new(e).context(format!("flow {}", f.name)));
+                break;
+            }
             Err(e) => failed.push(anyhow::Error::new(e).context(format!("flow {}", f.name))),
         }
     }
@@ -454,7 +492,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             .unwrap_or(failed.len() - 1);
         let returned = failed.remove(worst);
         for e in &failed {
-            eprintln!("error: {}", super::chain(e));
+            errln!("error: {}", super::chain(e));
         }
         return Err(returned);
     }
@@ -526,7 +564,7 @@ fn could_not_verify(check: impl FnOnce() -> anyhow::Result<ExitCode>) -> anyhow:
     match check() {
         Ok(code) => Ok(code),
         Err(err) => {
-            eprintln!("error: {}", super::chain(&err));
+            errln!("error: {}", super::chain(&err));
             Ok(ExitCode::from(super::exit_status(&err, EXIT_ERROR)))
         }
     }
@@ -600,7 +638,7 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         let throwaway = match &f.target.throwaway {
             Some(dir) => Some(json!({
                 "dir": dir.display().to_string(),
-                "was_running": crate::throwaway::running(dir)?,
+                "was_running": crate::throwaway::running(dir, &f.name)?,
             })),
             None => None,
         };
@@ -774,7 +812,7 @@ pub fn preflight(args: PreflightArgs) -> anyhow::Result<ExitCode> {
     let findings = match outcome {
         Ok(f) => f,
         Err(err) => {
-            eprintln!("error: {}", super::chain(&err));
+            errln!("error: {}", super::chain(&err));
             return Ok(ExitCode::from(EXIT_ERROR));
         }
     };
@@ -863,7 +901,7 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
             if text {
                 outln!("[{}] {line}", f.name);
             } else {
-                eprintln!("[{}] {line}", f.name);
+                errln!("[{}] {line}", f.name);
             }
         };
         rt.block_on(flow::request_reseed(

@@ -16,6 +16,11 @@ macro_rules! out {
     ($($arg:tt)*) => { $crate::cli::write_out(format_args!($($arg)*)) };
 }
 
+/// `eprintln!` that a closed stderr (`2>&1 | head`) cannot panic.
+macro_rules! errln {
+    ($($arg:tt)*) => { $crate::cli::write_err(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 mod chaos;
 mod flow;
 mod log;
@@ -136,10 +141,26 @@ pub fn write_out(args: std::fmt::Arguments<'_>) {
     let mut stdout = std::io::stdout().lock();
     if let Err(e) = stdout.write_fmt(args).and_then(|()| stdout.flush()) {
         GONE.store(true, Ordering::Relaxed);
+        // A reader that left wanted no more; a full disk lost output the
+        // command must not report as written (see [`output_error`]).
         if e.kind() != std::io::ErrorKind::BrokenPipe {
-            tracing::warn!("standard output: {e}; later output is dropped");
+            let _ = OUTPUT_ERROR.set(e.to_string());
         }
     }
+}
+
+static OUTPUT_ERROR: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Why command output could not be written (other than a closed pipe):
+/// the command then fails, whatever it did.
+pub fn output_error() -> Option<&'static str> {
+    OUTPUT_ERROR.get().map(String::as_str)
+}
+
+/// Writes to stderr; a stderr that is gone cannot be told so.
+pub fn write_err(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = std::io::stderr().lock().write_fmt(args);
 }
 
 /// An error and its causes on one line, as `{:#}` prints them, but without

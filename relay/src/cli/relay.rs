@@ -114,7 +114,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
                 &source,
                 &target,
                 &path.display().to_string(),
-                &mut |line| eprintln!("[{}] {line}", flow.name),
+                &mut |line| errln!("[{}] {line}", flow.name),
             )
             .await?;
             crate::flow::log_owner(flow, &source).await
@@ -180,9 +180,11 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         begun: None,
     };
     let stats = runtime.block_on(capture::run(config, crate::flow::until_signal()))?;
-    eprintln!(
+    errln!(
         "relay stopped: {} envelopes appended, {} duplicates skipped, {} reconnects",
-        stats.envelopes, stats.duplicates_skipped, stats.reconnects
+        stats.envelopes,
+        stats.duplicates_skipped,
+        stats.reconnects
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -193,9 +195,12 @@ fn serve_native(
     config: NativeConfig,
 ) -> anyhow::Result<ExitCode> {
     let stats = runtime.block_on(native::serve(config, crate::flow::until_signal()))?;
-    eprintln!(
+    errln!(
         "relay stopped: {} envelopes appended, {} duplicates skipped, {} frames rejected, {} connections",
-        stats.envelopes, stats.duplicates_skipped, stats.rejected_frames, stats.connections
+        stats.envelopes,
+        stats.duplicates_skipped,
+        stats.rejected_frames,
+        stats.connections
     );
     Ok(ExitCode::SUCCESS)
 }

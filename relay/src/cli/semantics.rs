@@ -38,7 +38,7 @@ pub fn run(args: SemanticsArgs) -> anyhow::Result<ExitCode> {
     match observe(&args) {
         Ok(code) => Ok(code),
         Err(e) => {
-            eprintln!("error: {}", super::chain(&e));
+            errln!("error: {}", super::chain(&e));
             Ok(ExitCode::from(EXIT_ERROR))
         }
     }
@@ -70,7 +70,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
             if text {
                 outln!("[{}] {line}", f.name);
             } else {
-                eprintln!("[{}] {line}", f.name);
+                errln!("[{}] {line}", f.name);
             }
         };
         let options = RunOptions {
@@ -174,7 +174,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
         ),
     }
     if let Some(e) = &stopped {
-        eprintln!(
+        errln!(
             "error: the flow stopped during the observation: {}",
             super::chain(e)
         );
