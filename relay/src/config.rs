@@ -921,8 +921,15 @@ flows:
         let bad = GOOD.replace("url_env: TARGET_URL", "url_env: TARGET_URL\n      bogus: 1");
         let issue = parse_issue(&bad, &parse(&bad).expect_err("unknown field"));
         assert_eq!(issue.field, "flows[0].target");
-        assert_eq!(issue.line, Some(10), "the unknown key's own line: {issue:?}");
-        assert!(!issue.problem.contains("at line"), "the line once: {issue:?}");
+        assert_eq!(
+            issue.line,
+            Some(10),
+            "the unknown key's own line: {issue:?}"
+        );
+        assert!(
+            !issue.problem.contains("at line"),
+            "the line once: {issue:?}"
+        );
         assert!(issue.problem.contains("unknown field `bogus`"), "{issue:?}");
         assert!(issue.fix.contains("docs/CONFIG.md"), "{issue:?}");
     }

@@ -194,6 +194,15 @@ pub async fn follow(
         ..RunReport::default()
     };
     let mut delay = RETRY_FIRST;
+    // Held across rounds, so nothing (a teardown, another run) takes the
+    // log while this process waits to follow again.
+    let held = match flow.log_dir() {
+        Some(dir) => Some(crate::lock::lock(dir).map_err(|source| FlowError::LogDir {
+            path: dir.display().to_string(),
+            source,
+        })?),
+        None => None,
+    };
     loop {
         let started = std::time::Instant::now();
         let options = RunOptions {
@@ -201,6 +210,7 @@ pub async fn follow(
             until: None,
             watch: &mut NoWatch,
             shutdown: Some(shutdown.clone()),
+            locked: held.is_some(),
         };
         match run_watched(flow, index, config_path, options, progress).await {
             Ok(report) => {
@@ -467,6 +477,9 @@ pub struct RunOptions<'a, W: Watch> {
     /// With `follow`: stop when this turns true (see [`shutdown_signal`]);
     /// without, a SIGTERM or Ctrl-C received once the round streams.
     pub shutdown: Option<tokio::sync::watch::Receiver<bool>>,
+    /// The caller holds the log's lock already ([`follow`], across its
+    /// rounds: a teardown between two rounds would be undone by the next).
+    pub locked: bool,
 }
 
 /// Snapshot if needed, then capture and apply together until caught up
@@ -484,6 +497,7 @@ pub async fn run_once(
         until: None,
         watch: &mut NoWatch,
         shutdown: None,
+        locked: false,
     };
     run_watched(flow, index, config_path, options, progress).await
 }
@@ -579,6 +593,7 @@ async fn run_round<W: Watch>(
         until,
         watch,
         shutdown,
+        locked,
     } = options;
     let log_dir = flow
         .log_dir()
@@ -596,10 +611,16 @@ async fn run_round<W: Watch>(
     };
 
     // One writer per log, across processes, for the whole run.
-    let _lock = crate::lock::lock(&log_dir).map_err(|source| FlowError::LogDir {
-        path: log_dir.display().to_string(),
-        source,
-    })?;
+    let _lock = if locked {
+        None
+    } else {
+        Some(
+            crate::lock::lock(&log_dir).map_err(|source| FlowError::LogDir {
+                path: log_dir.display().to_string(),
+                source,
+            })?,
+        )
+    };
     let source_failed = |source| FlowError::Connect {
         side: "source",
         target: redact(&source_url),

@@ -126,8 +126,9 @@ pub enum TeardownError {
     },
 }
 
-/// Reads what teardown would remove; changes nothing.
-pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan, TeardownError> {
+/// Refuses while a process holds the flow's log: a run, a relay, or a
+/// `--follow` waiting to follow again. Needs neither database.
+pub fn refuse_running(flow: &Flow) -> Result<(), TeardownError> {
     // A run holds the lock file beside the log even while its snapshot
     // has removed the directory; look only when it exists (a dry run
     // creates nothing).
@@ -145,6 +146,12 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
             why: format!("a trellara process holds its log {}", dir.display()),
         });
     }
+    Ok(())
+}
+
+/// Reads what teardown would remove; changes nothing.
+pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan, TeardownError> {
+    refuse_running(flow)?;
     let mut steps = Vec::new();
     let mut kept = Vec::new();
     let slot = flow.slot();

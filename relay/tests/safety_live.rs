@@ -1576,3 +1576,40 @@ fn same_name(major: Major) {
         "{text}"
     );
 }
+
+/// `run --follow` waiting to follow again (its target is down) still
+/// holds its log: a teardown meanwhile is refused, not undone by the next
+/// round.
+#[test]
+fn a_following_run_between_rounds_keeps_its_log() {
+    let Some(c) = test_cluster(Major::Pg17, &ClusterOptions::new()) else {
+        return;
+    };
+    databases(&c, &["src"], TABLES);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    write_flow(
+        d,
+        "trellara.yml",
+        "wait",
+        &c.connection_string("src"),
+        "postgresql://u@127.0.0.1:1/down?connect_timeout=1",
+        &["public.orders"],
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["run", "--config", "trellara.yml", "--local", "--follow"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let out = trellara(d, &["teardown", "--config", "trellara.yml", "--yes"]);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = child.wait();
+    let text = exits(&out, 1, "teardown while the flow waits to follow again");
+    assert!(text.contains("flow wait is running"), "{text}");
+}

@@ -78,6 +78,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
             until: Some(Duration::from_secs(args.duration)),
             watch: &mut observer,
             shutdown: Some(flow::shutdown_signal()),
+            locked: false,
         };
         // A flow that stops (say, a quarantined transaction) ends the
         // observation; what was observed until then is still reported.

@@ -32,6 +32,9 @@ pub fn run(args: TeardownArgs) -> anyhow::Result<ExitCode> {
     for (index, f) in super::flow::flows(&config, args.flow.as_deref())? {
         let (plan, removed) = rt
             .block_on(async {
+                // Before any connection: a flow waiting to follow again
+                // holds its log while a database is down.
+                crate::teardown::refuse_running(f)?;
                 let (source_url, target_url) = flow::urls(f, index)?;
                 let source = flow::connect(&source_url, "source").await?;
                 let target = flow::connect(&target_url, "target").await?;
