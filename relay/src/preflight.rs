@@ -252,7 +252,7 @@ async fn target_tables(
             .collect();
         if have.is_empty() {
             out.push(finding("target", &format!("table {table}"), false, true, "does not exist on the target".into(),
-                Some(format!("create {table} on the target with the source's columns (pg_dump --schema-only --table {table} from the source)"))));
+                Some(format!("create {table} on the target with the source's columns (pg_dump --schema-only --table '{}' from the source)", table.replace('\'', "'\\''")))));
             continue;
         }
         let problems: Vec<String> = want

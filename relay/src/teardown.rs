@@ -118,6 +118,12 @@ pub enum TeardownError {
     Target(#[source] tokio_postgres::Error),
     #[error(transparent)]
     Throwaway(#[from] crate::throwaway::ThrowawayError),
+    #[error("removed {removed}, then stopped (`teardown --yes` again removes the rest)")]
+    Partly {
+        removed: String,
+        #[source]
+        source: Box<TeardownError>,
+    },
     #[error("log directory {path}")]
     LogDir {
         path: String,
@@ -323,62 +329,77 @@ pub async fn execute(
     };
     let mut done = Vec::new();
     for step in &plan.steps {
-        match step {
-            Step::NativeCapture { settings } => {
-                let mut sql = vec!["SELECT trellara.stop_worker()".to_owned()];
-                sql.extend(settings.iter().map(|s| format!("ALTER SYSTEM RESET {s}")));
-                sql.push("SELECT pg_reload_conf()".into());
-                for statement in &sql {
-                    source
-                        .batch_execute(statement)
+        let result: Result<(), TeardownError> = async {
+            match step {
+                Step::NativeCapture { settings } => {
+                    let mut sql = vec!["SELECT trellara.stop_worker()".to_owned()];
+                    sql.extend(settings.iter().map(|s| format!("ALTER SYSTEM RESET {s}")));
+                    sql.push("SELECT pg_reload_conf()".into());
+                    for statement in &sql {
+                        source
+                            .batch_execute(statement)
+                            .await
+                            .map_err(TeardownError::Source)?;
+                    }
+                }
+                Step::Slot { name } => {
+                    drop_slot(source, name)
                         .await
                         .map_err(TeardownError::Source)?;
                 }
-            }
-            Step::Slot { name } => {
-                drop_slot(source, name)
-                    .await
-                    .map_err(TeardownError::Source)?;
-            }
-            Step::Publication { name } => {
-                source
-                    .batch_execute(&format!(
-                        "DROP PUBLICATION IF EXISTS {}",
-                        postgres_protocol::escape::escape_identifier(name)
-                    ))
-                    .await
-                    .map_err(TeardownError::Source)?;
-            }
-            Step::StateRows { .. } => {
-                let mut sql = String::from("BEGIN;");
-                for table in existing_state_tables(target)
-                    .await
-                    .map_err(TeardownError::Target)?
-                {
-                    sql.push_str(&format!(
-                        " DELETE FROM {table} WHERE flow = {};",
-                        postgres_protocol::escape::escape_literal(&flow.name)
-                    ));
+                Step::Publication { name } => {
+                    source
+                        .batch_execute(&format!(
+                            "DROP PUBLICATION IF EXISTS {}",
+                            postgres_protocol::escape::escape_identifier(name)
+                        ))
+                        .await
+                        .map_err(TeardownError::Source)?;
                 }
-                sql.push_str(" COMMIT");
-                target
-                    .batch_execute(&sql)
-                    .await
-                    .map_err(TeardownError::Target)?;
+                Step::StateRows { .. } => {
+                    let mut sql = String::from("BEGIN;");
+                    for table in existing_state_tables(target)
+                        .await
+                        .map_err(TeardownError::Target)?
+                    {
+                        sql.push_str(&format!(
+                            " DELETE FROM {table} WHERE flow = {};",
+                            postgres_protocol::escape::escape_literal(&flow.name)
+                        ));
+                    }
+                    sql.push_str(" COMMIT");
+                    target
+                        .batch_execute(&sql)
+                        .await
+                        .map_err(TeardownError::Target)?;
+                }
+                Step::LogDirectory { path } => {
+                    let dir = PathBuf::from(path);
+                    std::fs::remove_dir_all(&dir).map_err(|source| TeardownError::LogDir {
+                        path: path.clone(),
+                        source,
+                    })?;
+                    let _ = std::fs::remove_file(dir.with_extension("sock"));
+                    let _ = std::fs::remove_file(crate::lock::lock_path(&dir));
+                    crate::throwaway::remove_empty_parents(&dir);
+                }
+                Step::ThrowawayTarget { path } => {
+                    crate::throwaway::remove(std::path::Path::new(path), &flow.name)?;
+                }
             }
-            Step::LogDirectory { path } => {
-                let dir = PathBuf::from(path);
-                std::fs::remove_dir_all(&dir).map_err(|source| TeardownError::LogDir {
-                    path: path.clone(),
-                    source,
-                })?;
-                let _ = std::fs::remove_file(dir.with_extension("sock"));
-                let _ = std::fs::remove_file(crate::lock::lock_path(&dir));
-                crate::throwaway::remove_empty_parents(&dir);
-            }
-            Step::ThrowawayTarget { path } => {
-                crate::throwaway::remove(std::path::Path::new(path), &flow.name)?;
-            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            // What was removed stays said: a rerun removes the rest.
+            return Err(if done.is_empty() {
+                e
+            } else {
+                TeardownError::Partly {
+                    removed: done.join("; "),
+                    source: Box::new(e),
+                }
+            });
         }
         done.push(step.describe(&flow.name));
     }

@@ -1851,7 +1851,7 @@ fn sigterm_stops_a_long_snapshot_copy_on(major: Major) {
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{major}: {said}");
     assert!(
-        said.contains("stopped by a signal while copying"),
+        said.contains("stopped by a signal before its handoff"),
         "{major}: {said}"
     );
     assert_eq!(

@@ -746,12 +746,18 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                     "  snapshot    {}",
                     v["snapshot"]["state"].as_str().unwrap_or("none")
                 );
-                outln!(
-                    "  applied     {} transactions through {} ({} duplicates skipped)",
-                    v["checkpoint"]["transactions"],
-                    v["checkpoint"]["commit_lsn"].as_str().unwrap_or("-"),
-                    v["checkpoint"]["duplicates_skipped"]
-                );
+                if v["checkpoint"].is_null() {
+                    outln!(
+                        "  applied     nothing yet (no checkpoint: the first run has not handed off)"
+                    );
+                } else {
+                    outln!(
+                        "  applied     {} transactions through {} ({} duplicates skipped)",
+                        v["checkpoint"]["transactions"],
+                        v["checkpoint"]["commit_lsn"].as_str().unwrap_or("-"),
+                        v["checkpoint"]["duplicates_skipped"]
+                    );
+                }
                 outln!(
                     "  last verify {}",
                     v["last_verify"]["verdict"].as_str().unwrap_or("never")
