@@ -223,7 +223,7 @@ pub async fn follow(
                 }
                 progress(&format!(
                     "{}; following again in {} s",
-                    crate::cli::chain(&anyhow::Error::new(e)),
+                    crate::errors::chain(&anyhow::Error::new(e)),
                     delay.as_secs()
                 ));
                 tokio::select! {

@@ -163,22 +163,7 @@ pub fn write_err(args: std::fmt::Arguments<'_>) {
     let _ = std::io::stderr().lock().write_fmt(args);
 }
 
-/// An error and its causes on one line, as `{:#}` prints them, but without
-/// a cause that the error before it already printed (many errors here
-/// print their source and also expose it).
-pub fn chain(err: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in err.chain() {
-        let text = cause.to_string();
-        if line.is_empty() {
-            line = text;
-        } else if !line.ends_with(&text) {
-            line.push_str(": ");
-            line.push_str(&text);
-        }
-    }
-    line
-}
+pub use crate::errors::chain;
 
 /// Exit status of a command that failed with `err`: 3 when preflight's
 /// checks refused it (nothing was created or changed), else `otherwise`.
