@@ -192,8 +192,8 @@ pub async fn assess(
             "slot",
             false,
             true,
-            NotOurSlot(&slot).to_string(),
-            Some(not_our_slot_fix(&slot)),
+            crate::state::NotOurSlot(&slot).to_string(),
+            Some(crate::state::not_our_slot_fix(&slot)),
         ));
     }
     Ok(Assessment {
@@ -201,27 +201,6 @@ pub async fn assess(
         flow: found,
         has_slot,
     })
-}
-
-/// A slot of the flow's name that the flow's target never claimed.
-#[derive(Debug)]
-pub struct NotOurSlot<'a>(pub &'a str);
-
-impl std::fmt::Display for NotOurSlot<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "replication slot {} exists on the source database and this flow's target has no record of creating it: another config's flow of the same name (or another tool) streams it, and taking it over would lose that flow's changes",
-            self.0
-        )
-    }
-}
-
-/// The fix for [`NotOurSlot`].
-pub fn not_our_slot_fix(slot: &str) -> String {
-    format!(
-        "give this flow its own source.slot and source.publication in trellara.yml (or another flow name); if nothing uses {slot}, drop it: SELECT pg_drop_replication_slot('{slot}')"
-    )
 }
 
 /// Every table of the flow exists on the target with the source's columns.

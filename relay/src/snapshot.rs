@@ -593,8 +593,8 @@ impl PgSnapshot<'_> {
         {
             return Err(SnapshotError::Table {
                 table: "-".into(),
-                problem: format!("{}", crate::preflight::NotOurSlot(&slot)),
-                hint: crate::preflight::not_our_slot_fix(&slot),
+                problem: format!("{}", crate::state::NotOurSlot(&slot)),
+                hint: crate::state::not_our_slot_fix(&slot),
             });
         }
         crate::state::claim_slot(self.target, &self.flow.name, &slot)
