@@ -112,6 +112,19 @@ fn write_flow_logged(
         .expect("write config");
 }
 
+/// Waits for `child` to exit; past `seconds` kills it and fails with
+/// `hang` (a hang is a failure, not a stuck test).
+fn ends_within(child: &mut std::process::Child, seconds: u64, hang: &str) {
+    let started = std::time::Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if started.elapsed() > std::time::Duration::from_secs(seconds) {
+            let _ = child.kill();
+            panic!("{hang}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 /// Creates each database of `names` on `c` and runs `sql` in it.
 fn databases(c: &Cluster, names: &[&str], sql: &str) {
     for db in names {
@@ -846,17 +859,12 @@ fn stops_are_visible(major: Major) {
         nix::sys::signal::Signal::SIGTERM,
     )
     .expect("SIGTERM");
-    let stopped = std::time::Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        if stopped.elapsed() > std::time::Duration::from_secs(10) {
-            let _ = child.kill();
-            panic!("the run ignored SIGTERM while creating its slot");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    ends_within(
+        &mut child,
+        10,
+        "the run ignored SIGTERM while creating its slot",
+    );
+    let status = child.wait().expect("wait");
     assert_eq!(
         status.code(),
         Some(1),
@@ -1026,14 +1034,11 @@ fn a_peer_that_never_answers_is_an_error_within_connect_timeout() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("spawn");
-        // A hang is a failure, not a stuck test.
-        while child.try_wait().expect("wait").is_none() {
-            if started.elapsed() > std::time::Duration::from_secs(20) {
-                let _ = child.kill();
-                panic!("{} hangs on a peer that never answers", args.join(" "));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
+        ends_within(
+            &mut child,
+            20,
+            &format!("{} hangs on a peer that never answers", args.join(" ")),
+        );
         let out = child.wait_with_output().expect("output");
         let text = exits(&out, code, &args.join(" "));
         assert!(
@@ -1463,7 +1468,6 @@ fn blocked_catalog(major: Major) {
     holder
         .batch_execute("BEGIN; LOCK TABLE trellara.checkpoints IN ACCESS EXCLUSIVE MODE")
         .expect("lock");
-    let started = std::time::Instant::now();
     let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
         .current_dir(d)
         .args(["status", "--config", "trellara.yml"])
@@ -1471,13 +1475,11 @@ fn blocked_catalog(major: Major) {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn");
-    while child.try_wait().expect("wait").is_none() {
-        if started.elapsed() > std::time::Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("status hangs behind a lock on {major}");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    ends_within(
+        &mut child,
+        60,
+        &format!("status hangs behind a lock on {major}"),
+    );
     let text = exits(
         &child.wait_with_output().expect("output"),
         1,
