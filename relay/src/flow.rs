@@ -11,10 +11,10 @@
 use crate::apply::{Applier, ApplyError, ApplyStats};
 use crate::capture::{self, CaptureConfig};
 use crate::config::{CapturePath, Flow};
-use crate::kafka::{Feed, KafkaTarget, Publisher};
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use crate::snapshot::{self, SnapshotReport};
 use crate::state::{self, SnapshotState};
+use crate::transport::kafka::{Feed, KafkaTarget, Publisher};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -366,7 +366,7 @@ async fn applied_all_published(
     flow: &str,
 ) -> Result<bool, ApplyError> {
     let Some(published) = log
-        .cursor(&crate::kafka::publisher_cursor(flow))
+        .cursor(&crate::transport::kafka::publisher_cursor(flow))
         .and_then(|c| c.last_commit_lsn)
     else {
         return Ok(true);
@@ -883,7 +883,7 @@ async fn run_round<W: Watch>(
                     let deadline = std::time::Instant::now() + Duration::from_secs(60);
                     while !applied_all_published(&applier, &log, &flow.name).await? {
                         if std::time::Instant::now() > deadline {
-                            return Err(crate::kafka::TransportError::Undelivered {
+                            return Err(crate::transport::TransportError::Undelivered {
                                 flow: flow.name.clone(),
                             }
                             .into());

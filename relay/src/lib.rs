@@ -11,7 +11,7 @@ pub mod errors;
 pub mod flow;
 pub mod horizon;
 pub mod identity;
-pub mod kafka;
+
 pub mod lock;
 pub mod log;
 pub mod native;
@@ -23,4 +23,5 @@ pub mod snapshot;
 pub mod state;
 pub mod teardown;
 pub mod throwaway;
+pub mod transport;
 pub mod verify;

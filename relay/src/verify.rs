@@ -590,7 +590,7 @@ pub async fn verify(
         // Store and forward: the log up to the publisher's cursor is in
         // the topic; the topic up to the checkpoint is applied.
         let (log, _) = Log::open(FsStorage::new(), dir, LogConfig::default())?;
-        let published = log.cursor(&crate::kafka::publisher_cursor(&flow.name));
+        let published = log.cursor(&crate::transport::kafka::publisher_cursor(&flow.name));
         let next = published.map_or(log.first_offset(), |c| c.next_offset);
         if next < log.next_offset() {
             divergences.push(Divergence {

@@ -9,8 +9,9 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use trellara_common::{envelope, sample};
 use trellara_relay::crash::{CrashHooks, CrashPoint};
-use trellara_relay::kafka::{Feed, KafkaTarget, Publisher, TransportError, publisher_cursor};
 use trellara_relay::log::{Log, LogConfig, storage::FsStorage};
+use trellara_relay::transport::TransportError;
+use trellara_relay::transport::kafka::{Feed, KafkaTarget, Publisher, publisher_cursor};
 use trellara_tests::Broker;
 
 fn runtime() -> tokio::runtime::Runtime {

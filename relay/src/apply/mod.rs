@@ -29,8 +29,9 @@ pub mod postgres;
 pub use postgres::PgTarget;
 
 use crate::crash::{CrashHooks, CrashPoint, NoCrash};
-use crate::log::storage::{FsStorage, Storage};
-use crate::log::{CursorPosition, Log};
+use crate::log::Log;
+use crate::log::storage::FsStorage;
+use crate::transport::{RecordReader, Records};
 use std::time::Duration;
 use tokio_postgres::Client;
 use trellara_common::Lsn;
@@ -55,7 +56,7 @@ pub enum ApplyError {
     #[error(transparent)]
     Log(#[from] crate::log::Error),
     #[error(transparent)]
-    Transport(#[from] crate::kafka::TransportError),
+    Transport(#[from] crate::transport::TransportError),
     /// Only the simulator's crash hooks produce this.
     #[error("simulated crash at {0:?}")]
     Crashed(CrashPoint),
@@ -502,95 +503,6 @@ pub fn cursor_name(flow: &str) -> String {
     format!("applier-{flow}")
 }
 
-/// Where the applier reads committed transactions from: the local log (the
-/// cursor `applier-<flow>`), or a Kafka feed (its consumer group's offset).
-/// Offsets are the source's own; `applied` is called only after the target
-/// committed everything up to the offset. A source may hand out records
-/// before they are durable (the local log does, so the target works while
-/// the fsync runs); the applier commits them only after `durable`.
-#[allow(async_fn_in_trait)] // used on one task; no Send bound needed
-pub trait Records {
-    type Reader<'a>: RecordReader
-    where
-        Self: 'a;
-    /// The offset of the next record to apply for `consumer`.
-    fn start(&self, consumer: &str) -> Result<u64, ApplyError>;
-    fn read_from(&self, offset: u64) -> Result<Self::Reader<'_>, ApplyError>;
-    /// Everything up to and including `offset` (of commit `commit_lsn`) is
-    /// applied.
-    fn applied(&self, consumer: &str, offset: u64, commit_lsn: u64) -> Result<(), ApplyError>;
-    /// Returns once every record up to and including `offset` is durable.
-    async fn durable(&self, offset: u64) -> Result<(), ApplyError> {
-        let _ = offset;
-        Ok(())
-    }
-    /// Waits up to `patience` for records past `offset` (the rest of a
-    /// chunk run still being appended); false when none came. A source
-    /// that cannot wait says false at once, and the run is read again
-    /// whole next time.
-    async fn wait_for_more(&self, offset: u64, patience: Duration) -> bool {
-        let _ = (offset, patience);
-        false
-    }
-}
-
-/// Records in order from one position.
-pub trait RecordReader {
-    /// The next record; None at the end of what is there now.
-    fn next_record(&mut self) -> Result<Option<crate::log::Record>, ApplyError>;
-    /// The offset of the record `next_record` returns next.
-    fn next_offset(&self) -> u64;
-}
-
-impl<S: Storage> Records for Log<S> {
-    type Reader<'a> = crate::log::Reader<S>;
-
-    fn start(&self, consumer: &str) -> Result<u64, ApplyError> {
-        Ok(self.register_consumer(consumer)?.next_offset)
-    }
-
-    /// Records as soon as they are written: the applier sends their rows
-    /// while capture's fsync runs, and commits after [`Records::durable`].
-    fn read_from(&self, offset: u64) -> Result<Self::Reader<'_>, ApplyError> {
-        Ok(Log::read_written_from(self, offset)?)
-    }
-
-    fn applied(&self, consumer: &str, offset: u64, commit_lsn: u64) -> Result<(), ApplyError> {
-        Ok(self.commit_cursor(consumer, CursorPosition::after(offset, commit_lsn))?)
-    }
-
-    async fn durable(&self, offset: u64) -> Result<(), ApplyError> {
-        #[cfg(test)]
-        if mutation::COMMIT_BEFORE_DURABLE.with(std::cell::Cell::get) {
-            return Ok(());
-        }
-        Ok(self.sync_through(offset + 1).await?)
-    }
-
-    async fn wait_for_more(&self, offset: u64, patience: Duration) -> bool {
-        let mut moved = self.subscribe();
-        let more = async {
-            while self.written_end() <= offset {
-                if moved.changed().await.is_err() {
-                    return false;
-                }
-            }
-            true
-        };
-        tokio::time::timeout(patience, more).await.unwrap_or(false)
-    }
-}
-
-impl<S: Storage> RecordReader for crate::log::Reader<S> {
-    fn next_record(&mut self) -> Result<Option<crate::log::Record>, ApplyError> {
-        Ok(self.next().transpose()?)
-    }
-
-    fn next_offset(&self) -> u64 {
-        crate::log::Reader::next_offset(self)
-    }
-}
-
 fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), Refusal> {
     if hooks.crash_at(point) {
         return Err(Refusal::Crashed(point));
@@ -608,8 +520,6 @@ pub(crate) mod mutation {
         pub(crate) static CURSOR_BEFORE_COMMIT: Cell<bool> = const { Cell::new(false) };
         /// Apply redeliveries as if the checkpoint were absent.
         pub(crate) static IGNORE_CHECKPOINT: Cell<bool> = const { Cell::new(false) };
-        /// Commit records read early without waiting until they are durable.
-        pub(crate) static COMMIT_BEFORE_DURABLE: Cell<bool> = const { Cell::new(false) };
         /// Persist the cursor past asynchronous target commits as they are.
         pub(crate) static PERSIST_UNDURABLE: Cell<bool> = const { Cell::new(false) };
     }
@@ -1059,7 +969,7 @@ impl<T: Target> Applier<T> {
             if let Some(last) = batch.last() {
                 log.durable(last.last_offset)
                     .await
-                    .map_err(|e| Refusal::Undurable(Box::new(e)))?;
+                    .map_err(|e| Refusal::Undurable(Box::new(e.into())))?;
             }
             Ok(Some((checkpoint, settle)))
         }
@@ -1218,12 +1128,12 @@ impl<T: Target> Applier<T> {
                     crash(hooks, CrashPoint::AppliedNotCommitted)?;
                     log.durable(reader.next_offset().saturating_sub(1))
                         .await
-                        .map_err(|e| Refusal::Undurable(Box::new(e)))?;
+                        .map_err(|e| Refusal::Undurable(Box::new(e.into())))?;
                     return Ok(ChunkStep::Done(settle));
                 }
                 let mut next = reader
                     .next_record()
-                    .map_err(|e| Refusal::Undurable(Box::new(e)))?;
+                    .map_err(|e| Refusal::Undurable(Box::new(e.into())))?;
                 // The rest of the run may still be on its way: with
                 // patience, wait for it with the target transaction open
                 // instead of rolling back and starting over.
@@ -1233,7 +1143,7 @@ impl<T: Target> Applier<T> {
                 {
                     next = reader
                         .next_record()
-                        .map_err(|e| Refusal::Undurable(Box::new(e)))?;
+                        .map_err(|e| Refusal::Undurable(Box::new(e.into())))?;
                 }
                 let Some(record) = next else {
                     return Ok(ChunkStep::Incomplete);

@@ -27,9 +27,10 @@ use super::topic::SimTopic;
 use super::{CrashOnce, Rng, sim_envelope, sim_log_config, sim_row};
 use crate::apply::{Applier, ApplyError, cursor_name};
 use crate::crash::CrashPoint;
-use crate::kafka::{Publisher, TransportError};
 use crate::log::storage::{SimCrash, SimFault, SimOp, SimStorage};
 use crate::log::{CursorPosition, Log};
+use crate::transport::TransportError;
+use crate::transport::kafka::Publisher;
 use trellara_common::Lsn;
 use trellara_common::envelope::{self, Operation, RowChange};
 
@@ -415,7 +416,9 @@ pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, Stri
             match result {
                 Ok(stats) => history.duplicates += stats.duplicates_skipped,
                 // The fsync failed under the applier: the fault fired.
-                Err(ApplyError::Log(_)) => history.faults += 1,
+                Err(ApplyError::Log(_) | ApplyError::Transport(TransportError::Log(_))) => {
+                    history.faults += 1;
+                }
                 Err(e) => return Err(format!("seed {seed}: the applier failed: {e}")),
             }
             storage.clear_faults();
@@ -826,7 +829,7 @@ mod tests {
     /// and the applier loses the transaction; the simulator must say so.
     #[test]
     fn a_publisher_cursor_mid_run_is_caught() {
-        crate::kafka::mutation::CURSOR_MID_RUN.with(|m| m.set(true));
+        crate::transport::kafka::mutation::CURSOR_MID_RUN.with(|m| m.set(true));
         // It takes a fault right after a batch that ended inside a run.
         let failed = (0..120u64)
             .filter(|&seed| {
@@ -834,7 +837,7 @@ mod tests {
                     || history(seed, ApplyFault::TopicPublishCrash).is_err()
             })
             .count();
-        crate::kafka::mutation::CURSOR_MID_RUN.with(|m| m.set(false));
+        crate::transport::kafka::mutation::CURSOR_MID_RUN.with(|m| m.set(false));
         assert!(failed >= 5, "only {failed} of 120 histories noticed");
     }
 
@@ -843,7 +846,10 @@ mod tests {
     /// fsync fails.
     #[test]
     fn committing_before_the_log_is_durable_is_caught() {
-        caught(&mutation::COMMIT_BEFORE_DURABLE, ApplyFault::LogFsyncFails);
+        caught(
+            &crate::transport::mutation::COMMIT_BEFORE_DURABLE,
+            ApplyFault::LogFsyncFails,
+        );
     }
 
     /// The mutation check: persisting the cursor past asynchronous target

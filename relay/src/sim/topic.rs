@@ -4,8 +4,8 @@
 //! landed. It is both the publisher's [`Producer`] and the applier's
 //! [`Records`], so the real publisher and applier run against it.
 
-use crate::apply::{ApplyError, RecordReader, Records};
-use crate::kafka::{Producer, TransportError};
+use crate::transport::kafka::Producer;
+use crate::transport::{RecordReader, Records, TransportError};
 use std::cell::{Cell, RefCell};
 
 #[derive(Debug, Default)]
@@ -54,7 +54,7 @@ pub(crate) struct TopicReader<'a> {
 }
 
 impl RecordReader for TopicReader<'_> {
-    fn next_record(&mut self) -> Result<Option<crate::log::Record>, ApplyError> {
+    fn next_record(&mut self) -> Result<Option<crate::log::Record>, TransportError> {
         let records = self.topic.records.borrow();
         let Some((commit_lsn, payload)) = records.get(self.next as usize) else {
             return Ok(None);
@@ -76,18 +76,23 @@ impl RecordReader for TopicReader<'_> {
 impl Records for SimTopic {
     type Reader<'a> = TopicReader<'a>;
 
-    fn start(&self, _consumer: &str) -> Result<u64, ApplyError> {
+    fn start(&self, _consumer: &str) -> Result<u64, TransportError> {
         Ok(self.group.get())
     }
 
-    fn read_from(&self, offset: u64) -> Result<TopicReader<'_>, ApplyError> {
+    fn read_from(&self, offset: u64) -> Result<TopicReader<'_>, TransportError> {
         Ok(TopicReader {
             topic: self,
             next: offset,
         })
     }
 
-    fn applied(&self, _consumer: &str, offset: u64, _commit_lsn: u64) -> Result<(), ApplyError> {
+    fn applied(
+        &self,
+        _consumer: &str,
+        offset: u64,
+        _commit_lsn: u64,
+    ) -> Result<(), TransportError> {
         self.group.set(offset + 1);
         Ok(())
     }

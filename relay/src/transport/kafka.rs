@@ -28,7 +28,7 @@
 //! `trellara run` with `transport: kafka` publishes, then applies through a
 //! Feed, each round (`flow.rs`).
 
-use crate::apply::{ApplyError, RecordReader, Records};
+use super::{RecordReader, Records, TransportError};
 use crate::crash::{CrashHooks, CrashPoint, NoCrash};
 use crate::log::storage::Storage;
 use crate::log::{CursorPosition, Log};
@@ -56,52 +56,6 @@ const READ_BYTES: usize = 32 << 20;
 /// How long nothing may arrive before a read returns what it has.
 const QUIET: Duration = Duration::from_millis(500);
 const PARTITION: i32 = 0;
-
-#[derive(Debug, thiserror::Error)]
-pub enum TransportError {
-    #[error(
-        "kafka ({brokers}, topic {topic}): {source}\nhint: check transport.brokers and that the broker is up"
-    )]
-    Kafka {
-        brokers: String,
-        topic: String,
-        #[source]
-        source: Box<KafkaError>,
-    },
-    #[error(transparent)]
-    Log(#[from] crate::log::Error),
-    #[error(
-        "topic {topic}: the record of commit {commit_lsn} is {bytes} bytes, over the {limit}-byte record limit\nhint: use the local transport for this flow, or lower the value sizes; the record stays in the log"
-    )]
-    TooLarge {
-        topic: String,
-        commit_lsn: trellara_common::Lsn,
-        bytes: usize,
-        limit: usize,
-    },
-    #[error(
-        "topic {topic}, offset {offset}: the record's key is {found}, not the 8-byte commit LSN Trellara writes (another producer writes to this topic?)\nhint: give the flow a topic of its own (transport.topic), then reseed"
-    )]
-    BadKey {
-        topic: String,
-        offset: i64,
-        found: String,
-    },
-    #[error(
-        "topic {topic} has {partitions} partitions; strict order needs exactly 1\nhint: create it with one partition, or name another topic"
-    )]
-    Partitions { topic: String, partitions: usize },
-    /// Only the simulator's crash hooks produce this.
-    #[error("simulated crash at {0:?}")]
-    Crashed(CrashPoint),
-    #[error(
-        "flow {flow}: the topic did not deliver everything published within 60 s\nhint: check the broker, then rerun"
-    )]
-    Undelivered { flow: String },
-    /// A simulated broker failed (simulator only).
-    #[error("simulated failure: {0}")]
-    Simulated(String),
-}
 
 /// Where a flow's records go.
 #[derive(Debug, Clone)]
@@ -538,7 +492,7 @@ pub struct FeedReader<'a> {
 }
 
 impl RecordReader for FeedReader<'_> {
-    fn next_record(&mut self) -> Result<Option<crate::log::Record>, ApplyError> {
+    fn next_record(&mut self) -> Result<Option<crate::log::Record>, TransportError> {
         if self.buffer.is_empty() && !self.done {
             let read = self.feed.read(BATCH_RECORDS)?;
             self.done = read.is_empty();
@@ -564,11 +518,11 @@ impl Records for Feed {
     type Reader<'a> = FeedReader<'a>;
 
     /// The group's committed offset (the consumer name is the group's).
-    fn start(&self, _consumer: &str) -> Result<u64, ApplyError> {
+    fn start(&self, _consumer: &str) -> Result<u64, TransportError> {
         Ok(u64::try_from(self.committed()?).unwrap_or(0))
     }
 
-    fn read_from(&self, offset: u64) -> Result<FeedReader<'_>, ApplyError> {
+    fn read_from(&self, offset: u64) -> Result<FeedReader<'_>, TransportError> {
         self.seek_to(i64::try_from(offset).unwrap_or(i64::MAX))?;
         Ok(FeedReader {
             feed: self,
@@ -578,7 +532,12 @@ impl Records for Feed {
         })
     }
 
-    fn applied(&self, _consumer: &str, offset: u64, _commit_lsn: u64) -> Result<(), ApplyError> {
+    fn applied(
+        &self,
+        _consumer: &str,
+        offset: u64,
+        _commit_lsn: u64,
+    ) -> Result<(), TransportError> {
         Ok(self.commit(i64::try_from(offset).unwrap_or(i64::MAX) + 1)?)
     }
 }
