@@ -80,6 +80,8 @@ pub struct CaptureConfig {
     /// Told as each source transaction begins, before the rest of it is
     /// received: the applier opens its target transaction meanwhile.
     pub begun: Option<std::sync::Arc<tokio::sync::Notify>>,
+    /// Counts each transaction received whole (`trellara_captured_transactions_total`).
+    pub captured: Option<prometheus::IntCounter>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -478,7 +480,10 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
 ) -> Result<bool, CaptureError> {
     let mut in_stream_block = false;
     let mut pins_stored = pinned(config, log)?.len();
-    let mut batch = Batch::default();
+    let mut batch = Batch {
+        captured: config.captured.clone(),
+        ..Batch::default()
+    };
     // The fsync in flight: the written end it covers, and its wait.
     type Syncing<'a> = (
         u64,
@@ -633,6 +638,8 @@ const BATCH_RECORDS: usize = 1000;
 /// not yet known durable.
 #[derive(Debug, Default)]
 struct Batch {
+    /// Counts each transaction taken whole (the metric).
+    captured: Option<prometheus::IntCounter>,
     records: Vec<(u64, Vec<u8>)>,
     bytes: usize,
     /// End LSN of the last complete transaction in the batch.
@@ -666,6 +673,9 @@ impl Batch {
         self.records.push((env.commit_lsn, env.bytes));
         if env.last {
             self.ack = Some(Lsn(env.end_lsn));
+            if let Some(captured) = &self.captured {
+                captured.inc();
+            }
         }
         crash(hooks, CrashPoint::ReceivedNotAppended)?;
         // A large transaction's chunks go to disk as they come, so memory

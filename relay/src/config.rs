@@ -22,6 +22,54 @@ pub struct Config {
     #[serde(default)]
     pub environment: Environment,
     pub flows: Vec<Flow>,
+    #[serde(default, skip_serializing_if = "ServiceConfig::is_default")]
+    pub service: ServiceConfig,
+}
+
+/// Where the long-running processes serve /livez /readyz /healthz
+/// /metrics, and what /readyz accepts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    /// `run --follow` (both roles) and the relay service. Loopback by
+    /// default: the endpoints carry no authentication.
+    #[serde(default = "default_relay_listen")]
+    pub relay_listen: std::net::SocketAddr,
+    /// The applier service.
+    #[serde(default = "default_apply_listen")]
+    pub apply_listen: std::net::SocketAddr,
+    /// /readyz says not ready while the last applied transaction is older
+    /// than this at its commit on the target.
+    #[serde(default = "default_ready_lag")]
+    pub ready_max_lag_seconds: u64,
+}
+
+impl ServiceConfig {
+    fn is_default(&self) -> bool {
+        *self == ServiceConfig::default()
+    }
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            relay_listen: default_relay_listen(),
+            apply_listen: default_apply_listen(),
+            ready_max_lag_seconds: default_ready_lag(),
+        }
+    }
+}
+
+fn default_relay_listen() -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], 9401))
+}
+
+fn default_apply_listen() -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], 9402))
+}
+
+fn default_ready_lag() -> u64 {
+    60
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -524,6 +572,13 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
                 config.schema_version
             ),
             "set schema_version: 2 (see docs/CONFIG.md for changes)",
+        );
+    }
+    if config.service.ready_max_lag_seconds == 0 {
+        issue(
+            "service.ready_max_lag_seconds".into(),
+            "is 0: no flow could ever be ready".into(),
+            "use a bound in seconds, e.g. 60",
         );
     }
     if config.flows.is_empty() {

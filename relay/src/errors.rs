@@ -6,8 +6,13 @@
 /// a cause that the error before it already printed (many errors here
 /// print their source and also expose it).
 pub fn chain(err: &anyhow::Error) -> String {
+    chain_of(err.as_ref())
+}
+
+/// [`chain`] of an error held by reference.
+pub fn chain_of(err: &(dyn std::error::Error + 'static)) -> String {
     let mut line = String::new();
-    for cause in err.chain() {
+    for cause in std::iter::successors(Some(err), |e| e.source()) {
         let text = cause.to_string();
         if line.is_empty() {
             line = text;

@@ -12,6 +12,7 @@ use crate::apply::{Applier, ApplyError, ApplyStats};
 use crate::capture::{self, CaptureConfig};
 use crate::config::{CapturePath, Flow};
 use crate::log::{Log, LogConfig, storage::FsStorage};
+use crate::service::{FlowState, Observer};
 use crate::snapshot::{self, SnapshotReport};
 use crate::state::{self, SnapshotState};
 use crate::transport::kafka::{Feed, KafkaTarget, Publisher};
@@ -186,9 +187,18 @@ pub async fn follow(
     flow: &Flow,
     index: usize,
     config_path: &str,
+    observe: Option<Observer>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
     let mut shutdown = shutdown_signal();
+    let report = |state: FlowState, error: Option<&FlowError>| {
+        if let Some(o) = &observe {
+            match error {
+                Some(e) => o.health.failed(state, crate::errors::chain_of(e)),
+                None => o.health.state(state),
+            }
+        }
+    };
     let mut total = RunReport {
         flow: flow.name.clone(),
         ..RunReport::default()
@@ -211,13 +221,16 @@ pub async fn follow(
             watch: &mut NoWatch,
             shutdown: Some(shutdown.clone()),
             locked: held.is_some(),
+            observe: observe.clone(),
         };
         match run_watched(flow, index, config_path, options, progress).await {
-            Ok(report) => {
-                total.add(report);
+            Ok(done) => {
+                report(FlowState::Stopped, None);
+                total.add(done);
                 return Ok(total);
             }
             Err(e) if e.retryable() && !*shutdown.borrow() => {
+                report(FlowState::Retrying, Some(&e));
                 if started.elapsed() >= RETRY_RESET {
                     delay = RETRY_FIRST;
                 }
@@ -232,7 +245,10 @@ pub async fn follow(
                 }
                 delay = (delay * 2).min(RETRY_MAX);
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                report(FlowState::Stopped, Some(&e));
+                return Err(e);
+            }
         }
     }
 }
@@ -480,6 +496,9 @@ pub struct RunOptions<'a, W: Watch> {
     /// The caller holds the log's lock already ([`follow`], across its
     /// rounds: a teardown between two rounds would be undone by the next).
     pub locked: bool,
+    /// Where the run reports its metrics and health (the service
+    /// endpoints); None for a run nobody scrapes.
+    pub observe: Option<Observer>,
 }
 
 /// Snapshot if needed, then capture and apply together until caught up
@@ -498,6 +517,7 @@ pub async fn run_once(
         watch: &mut NoWatch,
         shutdown: None,
         locked: false,
+        observe: None,
     };
     run_watched(flow, index, config_path, options, progress).await
 }
@@ -594,7 +614,14 @@ async fn run_round<W: Watch>(
         watch,
         shutdown,
         locked,
+        observe,
     } = options;
+    let health = |state: FlowState| {
+        if let Some(o) = &observe {
+            o.health.state(state);
+        }
+    };
+    health(FlowState::Starting);
     let log_dir = flow
         .log_dir()
         .ok_or_else(|| FlowError::Unsupported(flow.name.clone()))?
@@ -654,6 +681,7 @@ async fn run_round<W: Watch>(
         // A long copy stops at a signal too; the next run plans it again
         // (an interrupted snapshot never resumes at its boundary).
         let stop = shutdown.clone().filter(|_| follow);
+        health(FlowState::Snapshotting);
         match snapshot::run(flow, &source_url, &source, &target, progress, stop).await {
             Ok(copied) => report.snapshot = Some(copied),
             // Following, a stop is the end asked for; a run that was to
@@ -742,6 +770,7 @@ async fn run_round<W: Watch>(
         floor,
         progress: Some(tx.clone()),
         begun: Some(Arc::clone(&begun)),
+        captured: observe.as_ref().map(|o| o.metrics.captured.clone()),
     };
     if follow {
         progress(&format!(
@@ -799,6 +828,7 @@ async fn run_round<W: Watch>(
                     progress: tx,
                     begun: Arc::clone(&begun),
                     floor,
+                    captured: observe.as_ref().map(|o| o.metrics.captured.clone()),
                 };
                 native_capture(flow, &source, &log, native, stop).await
             }
@@ -838,6 +868,9 @@ async fn run_round<W: Watch>(
     if kafka.is_none() {
         applier = applier.with_open_after_commit();
     }
+    if let Some(o) = &observe {
+        applier = applier.with_metrics(o.metrics.clone());
+    }
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
         let result: Result<ApplyStats, ApplyError> = async {
@@ -875,6 +908,14 @@ async fn run_round<W: Watch>(
                 // Idle: what the cursor has not persisted yet goes once due.
                 if stats.transactions == 0 {
                     persist(&mut applier, true).await?;
+                }
+                if let Some(o) = &observe {
+                    // Idle means applied through everything captured.
+                    o.health.lag(if stats.transactions == 0 {
+                        0.0
+                    } else {
+                        o.metrics.last_lag_seconds()
+                    });
                 }
                 crate::apply::accumulate(&mut total, stats);
                 if finished && let Some((_, feed)) = &kafka {
@@ -937,7 +978,15 @@ async fn run_round<W: Watch>(
         let _ = applied_tx.send(true);
         result
     };
-    let (captured, applied, watched) = tokio::join!(capture, apply, watch.watch(&log, applied_rx));
+    let gauges_rx = applied_rx.clone();
+    let gauges = async {
+        if let Some(o) = &observe {
+            gauges(flow, &source, &log, &o.metrics, gauges_rx).await;
+        }
+    };
+    health(FlowState::Following);
+    let (captured, applied, watched, ()) =
+        tokio::join!(capture, apply, watch.watch(&log, applied_rx), gauges);
     let target = applier.client();
     let stats = match captured {
         Ok(stats) => stats,
@@ -997,6 +1046,7 @@ struct NativeRun<'a> {
     begun: Arc<tokio::sync::Notify>,
     /// The target checkpoint's end LSN ([`crate::native::NativeConfig::floor`]).
     floor: Lsn,
+    captured: Option<prometheus::IntCounter>,
 }
 
 async fn native_capture(
@@ -1011,6 +1061,7 @@ async fn native_capture(
         progress,
         begun,
         floor,
+        captured,
     } = run;
     let sql_error = |what: &str, e: tokio_postgres::Error| {
         FlowError::Native(format!(
@@ -1076,6 +1127,7 @@ async fn native_capture(
         progress: Some(progress),
         begun: Some(begun),
         floor,
+        captured,
         // run claimed the log when it opened it.
         owner: None,
     };
@@ -1210,6 +1262,49 @@ fn enforce_retention(log: &Log<FsStorage>) {
             }
         }
         Err(e) => tracing::warn!(error = %e, "log retention failed; the log keeps its segments"),
+    }
+}
+
+/// How often the gauges (WAL the slot retains, bytes the log holds) are
+/// read while a flow runs.
+const GAUGES_EVERY: Duration = Duration::from_secs(2);
+
+/// Reads the gauges every [`GAUGES_EVERY`] until `applied` turns true (the
+/// applier ended). A failed read leaves the last value and is logged: a
+/// gauge never stops a flow.
+async fn gauges(
+    flow: &Flow,
+    source: &Client,
+    log: &Log<FsStorage>,
+    metrics: &crate::metrics::FlowMetrics,
+    mut applied: tokio::sync::watch::Receiver<bool>,
+) {
+    let slot = flow.slot();
+    loop {
+        metrics.log_bytes.set(
+            i64::try_from(log.segments().iter().map(|s| s.bytes).sum::<u64>()).unwrap_or(i64::MAX),
+        );
+        // On a standby pg_current_wal_lsn() fails; its replay position is
+        // the WAL it has.
+        let retained = source
+            .query_opt(
+                "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END - restart_lsn)::int8 FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await;
+        match retained {
+            Ok(Some(row)) => metrics
+                .slot_wal
+                .set(row.get::<_, Option<i64>>(0).unwrap_or(0).max(0)),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(flow = %flow.name, error = %e, "could not read the WAL the slot retains")
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(GAUGES_EVERY) => {}
+            _ = applied.wait_for(|done| *done) => return,
+        }
     }
 }
 

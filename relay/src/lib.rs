@@ -14,10 +14,12 @@ pub mod identity;
 
 pub mod lock;
 pub mod log;
+pub mod metrics;
 pub mod native;
 pub mod preflight;
 pub mod semantics;
 pub mod sequences;
+pub mod service;
 pub mod sim;
 pub mod snapshot;
 pub mod state;

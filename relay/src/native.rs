@@ -49,6 +49,8 @@ pub struct NativeConfig {
     /// Told as each frame starts, before it is read whole: the applier
     /// opens its target transaction meanwhile.
     pub begun: Option<Arc<tokio::sync::Notify>>,
+    /// Counts each transaction received whole (`trellara_captured_transactions_total`).
+    pub captured: Option<prometheus::IntCounter>,
     /// The position a consumer downstream already holds (the applier's
     /// checkpoint end LSN). The worker takes the larger of it and the log's
     /// end as what is safe: with an empty or replaced log, a slot confirmed
@@ -463,6 +465,11 @@ where
             }
             if last_chunk {
                 pending.ack = Some(env.end_lsn);
+                if Lsn(env.commit_lsn) > resume.commit_lsn
+                    && let Some(captured) = &config.captured
+                {
+                    captured.inc();
+                }
             }
         }
         if pending.bytes >= BATCH_BYTES {

@@ -97,6 +97,16 @@ fn init_flow(dir: &Path, source: &str, target: &str, tables: &[&str], flow: &str
         args.extend(["--table", table]);
     }
     ok(&trellara(dir, &args), "init");
+    free_port(dir);
+}
+
+/// Tests run side by side: each follower serves its endpoints on a free
+/// port, not the default 9401.
+fn free_port(dir: &Path) {
+    let path = dir.join("trellara.yml");
+    let mut text = std::fs::read_to_string(&path).expect("the config init wrote");
+    text.push_str("service:\n  relay_listen: 127.0.0.1:0\n");
+    std::fs::write(&path, text).expect("config");
 }
 
 /// `run --local --verify`, which must succeed; its stdout.
@@ -154,6 +164,7 @@ fn pair_by(major: Major, url: impl Fn(&Cluster) -> String) -> Option<Pair> {
         ],
     );
     ok(&out, "init");
+    free_port(dir.path());
     Some(Pair {
         source,
         target,
@@ -2474,4 +2485,275 @@ fn a_value_that_does_not_fit_on(major: Major) {
         )
         .expect("skip past it");
     }
+}
+
+/// One GET over a fresh connection: (status, body).
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the endpoints");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("a head and a body");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status code");
+    (status, body.to_owned())
+}
+
+/// The value of the one series of `name` in Prometheus text.
+fn sample(metrics: &str, name: &str) -> f64 {
+    let values: Vec<f64> = metrics
+        .lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .map(|l| {
+            l.rsplit_once(' ')
+                .expect("a value")
+                .1
+                .parse()
+                .expect("a number")
+        })
+        .collect();
+    assert_eq!(values.len(), 1, "one series of {name}:\n{metrics}");
+    values[0]
+}
+
+#[test]
+fn a_following_flow_serves_its_endpoints_and_reloads_on_sighup() {
+    on_every_major(a_following_flow_serves_its_endpoints_on);
+}
+
+/// `run --follow` serves /livez /readyz /healthz /metrics; the metrics
+/// pass `promtool check metrics` and agree with the target, the slot and
+/// the log; SIGHUP reloads without stopping (a broken config refused, a
+/// valid one taken), and SIGTERM still drains.
+fn a_following_flow_serves_its_endpoints_on(major: Major) {
+    use std::io::BufRead;
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 5);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["run", "--config", "trellara.yml", "--local", "--follow"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn run --follow");
+    let stderr = Arc::new(std::sync::Mutex::new(String::new()));
+    let errors = Arc::clone(&stderr);
+    let mut err_pipe = std::io::BufReader::new(child.stderr.take().expect("stderr"));
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        while err_pipe.read_line(&mut line).is_ok_and(|n| n > 0) {
+            errors.lock().unwrap().push_str(&line);
+            line.clear();
+        }
+    });
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let mut out_pipe = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        while out_pipe.read_line(&mut line).is_ok_and(|n| n > 0) {
+            if let Some(rest) = line.split("service: serving http://").nth(1) {
+                let addr = rest.split('/').next().unwrap_or_default().to_owned();
+                let _ = addr_tx.send(addr);
+            }
+            line.clear();
+        }
+    });
+    let addr = addr_rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the follower names the address it serves");
+    assert!(addr.starts_with("127.0.0.1:"), "loopback: {addr}");
+    assert_eq!(http_get(&addr, "/livez").0, 200);
+    let wait_until = |what: &str, ok: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !ok() {
+            assert!(std::time::Instant::now() < deadline, "never {what}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    wait_until("ready", &|| http_get(&addr, "/readyz").0 == 200);
+    let orders = "SELECT count(*) FROM public.orders";
+    // Transactions after the snapshot: these are what the metrics count.
+    workload(&p.source, 100, 12);
+    wait_until("applied", &|| p.target.psql_value(orders) == "17");
+    // The gauges are read every 2 s: let a read happen after the last write.
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let slot_sql = "SELECT (pg_current_wal_lsn() - restart_lsn)::int8 FROM pg_replication_slots WHERE slot_name = 'trellara_shop'";
+    let before: f64 = p.source.psql_value(slot_sql).parse().expect("bytes");
+    let (status, metrics) = http_get(&addr, "/metrics");
+    let after: f64 = p.source.psql_value(slot_sql).parse().expect("bytes");
+    assert_eq!(status, 200);
+    let file = d.join("metrics.txt");
+    std::fs::write(&file, &metrics).expect("metrics file");
+    let promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::fs::File::open(&file).expect("metrics file"))
+        .output()
+        .expect("promtool (Debian package prometheus, installed by scripts/setup)");
+    assert!(
+        promtool.status.success(),
+        "promtool check metrics: {}{}\n{metrics}",
+        String::from_utf8_lossy(&promtool.stdout),
+        String::from_utf8_lossy(&promtool.stderr)
+    );
+    // Exactly the seven names, each series with exactly the three labels.
+    let names: std::collections::BTreeSet<&str> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| l.split_whitespace().next().expect("a name"))
+        .collect();
+    assert_eq!(
+        names.into_iter().collect::<Vec<_>>(),
+        [
+            "trellara_applied_transactions_total",
+            "trellara_captured_transactions_total",
+            "trellara_commit_to_apply_lag_seconds",
+            "trellara_log_retained_bytes",
+            "trellara_quarantined_transactions_total",
+            "trellara_skipped_duplicate_transactions_total",
+            "trellara_slot_retained_wal_bytes",
+        ]
+    );
+    let source_id = p
+        .target
+        .psql_value("SELECT source_id FROM trellara.checkpoints WHERE flow = 'shop'");
+    for line in metrics.lines().filter(|l| !l.starts_with('#')) {
+        let labels = line.split_once('{').expect("labels").1;
+        let labels = labels.rsplit_once('}').expect("labels").0;
+        let mut keys: Vec<&str> = labels
+            .split(',')
+            .map(|kv| kv.split_once('=').expect("k=v").0)
+            .filter(|k| !(*k == "le" && line.contains("_bucket{")))
+            .collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["dataset_id", "service", "source_id"], "{line}");
+        assert!(
+            line.contains(&format!("source_id=\"{source_id}\""))
+                && line.contains("dataset_id=\"shop\""),
+            "{line}"
+        );
+    }
+    // The counters against the target: twelve transactions since start,
+    // as the checkpoint counts them too.
+    assert_eq!(
+        p.target
+            .psql_value("SELECT transactions FROM trellara.checkpoints WHERE flow = 'shop'"),
+        "12"
+    );
+    assert_eq!(
+        sample(&metrics, "trellara_captured_transactions_total"),
+        12.0
+    );
+    assert_eq!(
+        sample(&metrics, "trellara_applied_transactions_total"),
+        12.0
+    );
+    assert_eq!(
+        sample(&metrics, "trellara_quarantined_transactions_total"),
+        p.target
+            .psql_value("SELECT count(*) FROM trellara.quarantine WHERE flow = 'shop'")
+            .parse::<f64>()
+            .expect("count")
+    );
+    assert_eq!(
+        sample(&metrics, "trellara_skipped_duplicate_transactions_total"),
+        0.0
+    );
+    assert_eq!(
+        sample(&metrics, "trellara_commit_to_apply_lag_seconds_count"),
+        12.0
+    );
+    // The gauges against the slot and the log's segment files.
+    let slot = sample(&metrics, "trellara_slot_retained_wal_bytes");
+    assert!(
+        slot >= before.min(after) - 65536.0 && slot <= before.max(after) + 65536.0,
+        "slot retains {before}..{after} bytes; the gauge says {slot}"
+    );
+    let segments: u64 = std::fs::read_dir(d.join(".trellara/trellara/shop/log"))
+        .expect("log dir")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".seg"))
+        .map(|e| e.metadata().expect("segment").len())
+        .sum();
+    assert!(segments > 0);
+    assert_eq!(
+        sample(&metrics, "trellara_log_retained_bytes"),
+        segments as f64
+    );
+    let (status, health) = http_get(&addr, "/healthz");
+    assert_eq!(status, 200);
+    let health: serde_json::Value = serde_json::from_str(&health).expect("healthz is JSON");
+    assert_eq!(health["flows"][0]["flow"], "shop");
+    assert_eq!(health["flows"][0]["state"], "following", "{health}");
+    assert_eq!(health["ready"], true);
+
+    // SIGHUP with a broken config: refused, the old one keeps running.
+    let config = d.join("trellara.yml");
+    let good = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(&config, good.replace("tables:", "tabels:")).expect("break config");
+    let hangup = || {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGHUP,
+        )
+        .expect("sighup")
+    };
+    hangup();
+    wait_until("the broken config refused", &|| {
+        stderr.lock().unwrap().contains("reload: refused")
+    });
+    assert!(
+        stderr.lock().unwrap().contains("tabels"),
+        "{}",
+        stderr.lock().unwrap()
+    );
+    // A valid one with a tighter lag bound: taken live.
+    std::fs::write(
+        &config,
+        good.replace(
+            "relay_listen: 127.0.0.1:0",
+            "relay_listen: 127.0.0.1:0\n  ready_max_lag_seconds: 7",
+        ),
+    )
+    .expect("config");
+    hangup();
+    wait_until("the new lag bound taken", &|| {
+        stderr
+            .lock()
+            .unwrap()
+            .contains("service.ready_max_lag_seconds is now 7 (applied live)")
+    });
+    assert!(
+        child.try_wait().expect("poll").is_none(),
+        "SIGHUP never stops the process"
+    );
+    workload(&p.source, 200, 3);
+    wait_until("applied after the reloads", &|| {
+        p.target.psql_value(orders) == "20"
+    });
+    assert_eq!(http_get(&addr, "/livez").0, 200);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("sigterm");
+    let status = child.wait().expect("reap");
+    assert!(
+        status.success(),
+        "SIGTERM drains: {status}\n{}",
+        stderr.lock().unwrap()
+    );
 }

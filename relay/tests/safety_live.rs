@@ -70,9 +70,12 @@ fn footprint(cluster: &Cluster, db: &str) -> String {
     )
 }
 
+/// Tests run side by side: each follower serves its endpoints on a free port.
+const SERVICE: &str = "service:\n  relay_listen: 127.0.0.1:0\n";
+
 fn config(flow: &str, source: &str, target: &str, tables: &[&str], log_dir: &str) -> String {
     format!(
-        "schema_version: 2\nenvironment: evaluation\nflows:\n  - name: {flow}\n    source:\n      url: {source}\n    target:\n      url: {target}\n    tables: [{}]\n    transport:\n      kind: local\n      log_dir: {log_dir}\n",
+        "schema_version: 2\nenvironment: evaluation\nflows:\n  - name: {flow}\n    source:\n      url: {source}\n    target:\n      url: {target}\n    tables: [{}]\n    transport:\n      kind: local\n      log_dir: {log_dir}\n{SERVICE}",
         tables.join(", ")
     )
 }

@@ -125,6 +125,11 @@ pub struct Settle {
     /// Commits now applied (or found already applied): their quarantine
     /// records, if any, are resolved.
     pub settled: Vec<Lsn>,
+    /// Source commit times (Unix microseconds) of the transactions applied,
+    /// for the lag metric.
+    pub commit_micros: Vec<i64>,
+    /// Redeliveries this target transaction skipped.
+    pub skipped: u64,
 }
 
 /// A transaction the applier refuses, kept on the target.
@@ -291,6 +296,7 @@ pub struct Applier<T: Target = PgTarget> {
     /// the last commit ([`with_open_after_commit`](Applier::with_open_after_commit)).
     opened: Option<Opened<T::Lock>>,
     open_after_commit: bool,
+    metrics: Option<crate::metrics::FlowMetrics>,
 }
 
 /// `BEGIN` and the checkpoint lock already sent, assuming `assumed`: the
@@ -554,6 +560,7 @@ impl<T: Target> Applier<T> {
             began_durable: true,
             opened: None,
             open_after_commit: false,
+            metrics: None,
         }
     }
 
@@ -621,6 +628,13 @@ impl<T: Target> Applier<T> {
     /// being appended, keeping the target transaction open, so a large
     /// transaction is applied while it is written. Without it (the
     /// default) a partly durable run is rolled back and read again later.
+    /// Counts what commits (applied, skipped, quarantined, lag) into the
+    /// flow's metrics.
+    pub fn with_metrics(mut self, metrics: crate::metrics::FlowMetrics) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
     pub fn with_patience(mut self, patience: Duration) -> Self {
         self.patience = Some(patience);
         self
@@ -850,6 +864,17 @@ impl<T: Target> Applier<T> {
         Ok(())
     }
 
+    /// What one committed target transaction adds to the metrics.
+    fn count(&self, settle: &Settle) {
+        if let Some(m) = &self.metrics {
+            m.applied.inc_by(settle.applied);
+            m.duplicates.inc_by(settle.skipped);
+            for &micros in &settle.commit_micros {
+                m.observe_commit(micros);
+            }
+        }
+    }
+
     async fn quarantine(
         &mut self,
         commit_lsn: Lsn,
@@ -887,6 +912,9 @@ impl<T: Target> Applier<T> {
             })
             .await?;
         tracing::error!(flow = %self.flow, commit_lsn = %commit_lsn, xid, reason = %reason, "transaction quarantined");
+        if let Some(m) = &self.metrics {
+            m.quarantined.inc();
+        }
         Ok(ApplyError::Quarantined {
             flow: self.flow.clone(),
             xid,
@@ -997,6 +1025,7 @@ impl<T: Target> Applier<T> {
                     Ok((resolved, opened)) => {
                         stats.quarantine_resolved += resolved;
                         stats.transactions += settle.applied;
+                        self.count(&settle);
                         let checkpoint = settle.last.map(|l| l.commit_lsn).or(checkpoint);
                         self.opened = opened.map(|(lock, durable)| Opened {
                             lock,
@@ -1053,6 +1082,11 @@ impl<T: Target> Applier<T> {
             applied.push(txn);
         }
         self.flush(&mut pending).await?;
+        let skipped = (batch.len() - applied.len()) as u64;
+        let commit_micros = applied
+            .iter()
+            .map(|t| t.envelopes.first().map_or(0, |e| e.commit_time_micros))
+            .collect();
         let last = applied.last().map(|t| Checkpoint {
             commit_lsn: Lsn(t.commit_lsn),
             end_lsn: Lsn(t.envelopes.last().map_or(t.commit_lsn, |e| e.end_lsn)),
@@ -1063,6 +1097,8 @@ impl<T: Target> Applier<T> {
             applied: applied.len() as u64,
             duplicates: stats.duplicates_skipped,
             settled,
+            commit_micros,
+            skipped,
         })
     }
 
@@ -1110,7 +1146,9 @@ impl<T: Target> Applier<T> {
                     if duplicate {
                         tentative.duplicates_skipped += 1;
                         settle.duplicates = tentative.duplicates_skipped;
+                        settle.skipped = 1;
                     } else {
+                        settle.commit_micros = vec![current.commit_time_micros];
                         settle.last = Some(Checkpoint {
                             commit_lsn: Lsn(commit),
                             end_lsn: Lsn(current.end_lsn),
@@ -1172,6 +1210,7 @@ impl<T: Target> Applier<T> {
                     Ok(resolved) => {
                         tentative.quarantine_resolved += resolved;
                         accumulate(stats, tentative);
+                        self.count(&settle);
                         if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
                             return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
                         }

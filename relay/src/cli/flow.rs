@@ -10,6 +10,7 @@ use anyhow::Context;
 use serde_json::json;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use trellara_common::table_name::TableName;
 
 /// Exit status of verify: 0 converged, 1 diverged, 2 could not verify.
@@ -204,6 +205,7 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
         } else {
             Environment::Production
         },
+        service: config::ServiceConfig::default(),
         flows: vec![Flow {
             name: args.flow.clone(),
             source: Source {
@@ -445,6 +447,131 @@ pub(super) fn flows<'a>(
     Ok(selected)
 }
 
+/// `run --follow` plays both roles in one process: it serves one set of
+/// endpoints, on the relay's address, covering capture and apply. Bound
+/// before anything connects, so a taken port refuses the run untouched.
+async fn serve_endpoints(
+    config: &Config,
+    config_path: &str,
+    flow: &Flow,
+    progress: &mut dyn FnMut(&str),
+) -> anyhow::Result<crate::service::Observer> {
+    use crate::service::{Endpoints, Health, Observer};
+    let metrics = crate::metrics::Metrics::new();
+    let health = Health::new(
+        crate::metrics::RELAY,
+        std::time::Duration::from_secs(config.service.ready_max_lag_seconds),
+    );
+    let observe = Observer {
+        metrics: metrics.flow(&flow.source_id(), &flow.name),
+        health: health.flow(&flow.name, &flow.source_id(), &flow.name),
+    };
+    let endpoints =
+        Endpoints::bind(config.service.relay_listen, metrics, Arc::clone(&health)).await?;
+    progress(&format!(
+        "service: serving http://{}/livez /readyz /healthz /metrics",
+        endpoints.local_addr()
+    ));
+    tokio::spawn(endpoints.serve());
+    let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .context("listen for SIGHUP")?;
+    tokio::spawn(reload_on_hangup(
+        hangup,
+        config_path.to_owned(),
+        config.clone(),
+        flow.name.clone(),
+        health,
+    ));
+    Ok(observe)
+}
+
+/// SIGHUP re-reads the config. One that fails to load or validate, or
+/// that no longer has this flow, is refused and the running one stays;
+/// a SIGHUP never stops the process. Of a valid one,
+/// `service.ready_max_lag_seconds` applies at once; every other changed
+/// field is named as applying at the next start (docs/CONFIG.md).
+async fn reload_on_hangup(
+    mut hangup: tokio::signal::unix::Signal,
+    config_path: String,
+    mut running: Config,
+    flow: String,
+    health: Arc<crate::service::Health>,
+) {
+    while hangup.recv().await.is_some() {
+        let prefix = format!("[{flow}] reload");
+        let loaded = match config::load(std::path::Path::new(&config_path)) {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                errln!(
+                    "{prefix}: refused, the running config stays: {}",
+                    super::chain(&anyhow::Error::new(e))
+                );
+                continue;
+            }
+        };
+        let Some(new_flow) = loaded.flows.iter().find(|f| f.name == flow) else {
+            errln!(
+                "{prefix}: refused, the running config stays: {config_path} has no flow named {flow:?}\nhint: stop this process with SIGTERM to end the flow, or `trellara teardown` to remove it"
+            );
+            continue;
+        };
+        let changed = changed_fields(&running, &loaded, new_flow, &flow);
+        if loaded.service.ready_max_lag_seconds != running.service.ready_max_lag_seconds {
+            health.set_max_lag(Duration::from_secs(loaded.service.ready_max_lag_seconds));
+            errln!(
+                "{prefix}: service.ready_max_lag_seconds is now {} (applied live)",
+                loaded.service.ready_max_lag_seconds
+            );
+        }
+        for field in &changed {
+            errln!(
+                "{prefix}: {field} changed; it applies when the flow starts again (live reload of it is not built)"
+            );
+        }
+        if changed.is_empty() {
+            errln!("{prefix}: config valid; nothing else changed");
+        }
+        running = loaded;
+    }
+}
+
+/// The fields of the flow and the service section that differ, by path;
+/// `service.ready_max_lag_seconds` is left out (it reloads live).
+fn changed_fields(running: &Config, loaded: &Config, new_flow: &Flow, flow: &str) -> Vec<String> {
+    let as_map = |v: serde_json::Value| match v {
+        serde_json::Value::Object(map) => map,
+        _ => serde_json::Map::new(),
+    };
+    let mut changed = Vec::new();
+    let mut compare = |prefix: &str, old: serde_json::Value, new: serde_json::Value| {
+        let (old, new) = (as_map(old), as_map(new));
+        let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
+        for key in keys {
+            if old.get(key) != new.get(key) {
+                changed.push(format!("{prefix}{key}"));
+            }
+        }
+    };
+    let old_flow = running.flows.iter().find(|f| f.name == flow);
+    compare(
+        &format!("flows[{flow}]."),
+        serde_json::to_value(old_flow).unwrap_or_default(),
+        serde_json::to_value(new_flow).unwrap_or_default(),
+    );
+    let mut old_service = serde_json::to_value(&running.service).unwrap_or_default();
+    let mut new_service = serde_json::to_value(&loaded.service).unwrap_or_default();
+    for v in [&mut old_service, &mut new_service] {
+        if let serde_json::Value::Object(map) = v {
+            map.remove("ready_max_lag_seconds");
+        }
+    }
+    compare("service.", old_service, new_service);
+    if running.environment != loaded.environment {
+        changed.push("environment".into());
+    }
+    changed
+}
+
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let config = config::load(&args.config)?;
     let config_path = args.config.display().to_string();
@@ -469,7 +596,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         // A flow that stops (a quarantined transaction, an unreachable
         // database) does not hold the others back.
         let round = if args.follow {
-            rt.block_on(flow::follow(f, index, &config_path, &mut progress))
+            let observe = rt.block_on(serve_endpoints(&config, &config_path, f, &mut progress))?;
+            rt.block_on(flow::follow(
+                f,
+                index,
+                &config_path,
+                Some(observe),
+                &mut progress,
+            ))
         } else {
             rt.block_on(flow::run_once(f, index, &config_path, false, &mut progress))
         };

@@ -79,6 +79,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
             watch: &mut observer,
             shutdown: Some(flow::shutdown_signal()),
             locked: false,
+            observe: None,
         };
         // A flow that stops (say, a quarantined transaction) ends the
         // observation; what was observed until then is still reported.

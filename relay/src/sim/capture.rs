@@ -872,6 +872,7 @@ fn config() -> CaptureConfig {
         floor: Lsn::ZERO,
         progress: None,
         begun: None,
+        captured: None,
     }
 }
 

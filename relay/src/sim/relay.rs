@@ -122,6 +122,7 @@ pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, Stri
         max_envelope_bytes: 1 << 20,
         progress: None,
         begun: None,
+        captured: None,
         floor: trellara_common::Lsn::ZERO,
         owner: None,
     };
