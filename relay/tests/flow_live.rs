@@ -2527,22 +2527,10 @@ fn sample(metrics: &str, name: &str) -> f64 {
     values[0]
 }
 
-#[test]
-fn a_following_flow_serves_its_endpoints_and_reloads_on_sighup() {
-    on_every_major(a_following_flow_serves_its_endpoints_on);
-}
-
-/// `run --follow` serves /livez /readyz /healthz /metrics; the metrics
-/// pass `promtool check metrics` and agree with the target, the slot and
-/// the log; SIGHUP reloads without stopping (a broken config refused, a
-/// valid one taken), and SIGTERM still drains.
-fn a_following_flow_serves_its_endpoints_on(major: Major) {
+/// `run --follow` in `dir`, its stderr gathered as it comes; returns the
+/// child, the address it serves its endpoints on, and the stderr so far.
+fn spawn_follower(d: &Path) -> (std::process::Child, String, Arc<std::sync::Mutex<String>>) {
     use std::io::BufRead;
-    let Some(p) = pair(major) else {
-        return;
-    };
-    let d = p.dir.path();
-    workload(&p.source, 1, 5);
     let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
         .current_dir(d)
         .args(["run", "--config", "trellara.yml", "--local", "--follow"])
@@ -2575,6 +2563,25 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
     let addr = addr_rx
         .recv_timeout(std::time::Duration::from_secs(60))
         .expect("the follower names the address it serves");
+    (child, addr, stderr)
+}
+
+#[test]
+fn a_following_flow_serves_its_endpoints_and_reloads_on_sighup() {
+    on_every_major(a_following_flow_serves_its_endpoints_on);
+}
+
+/// `run --follow` serves /livez /readyz /healthz /metrics; the metrics
+/// pass `promtool check metrics` and agree with the target, the slot and
+/// the log; SIGHUP reloads without stopping (a broken config refused, a
+/// valid one taken), and SIGTERM still drains.
+fn a_following_flow_serves_its_endpoints_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 5);
+    let (mut child, addr, stderr) = spawn_follower(d);
     assert!(addr.starts_with("127.0.0.1:"), "loopback: {addr}");
     assert_eq!(http_get(&addr, "/livez").0, 200);
     let wait_until = |what: &str, ok: &dyn Fn() -> bool| {
@@ -2756,4 +2763,78 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
         "SIGTERM drains: {status}\n{}",
         stderr.lock().unwrap()
     );
+}
+
+/// Polls `ok` every 100 ms for up to `secs` seconds.
+fn wait_until(what: &str, secs: u64, ok: &dyn Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !ok() {
+        assert!(std::time::Instant::now() < deadline, "never {what}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn an_idle_flow_keeps_no_foreign_wal() {
+    on_every_major(an_idle_flow_keeps_no_foreign_wal_on);
+}
+
+/// A following flow whose tables are quiet, on a source busy elsewhere
+/// (256 MiB of WAL written in another database): the slot does not keep
+/// that WAL, because the relay confirms the keepalive positions past its
+/// last durable transaction. The slot gauge says the same.
+fn an_idle_flow_keeps_no_foreign_wal_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 3);
+    let (mut child, addr, stderr) = spawn_follower(d);
+    wait_until("ready", 60, &|| http_get(&addr, "/readyz").0 == 200);
+    p.source.psql("CREATE DATABASE elsewhere");
+    let mut elsewhere = p
+        .source
+        .try_connect("elsewhere")
+        .expect("connect elsewhere");
+    let wal = |c: &mut postgres::Client| -> i64 {
+        c.query_one("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8", &[])
+            .expect("wal position")
+            .get(0)
+    };
+    let from = wal(&mut elsewhere);
+    elsewhere
+        .batch_execute("CREATE TABLE noise (g int, pad text)")
+        .expect("noise table");
+    while wal(&mut elsewhere) - from < 256 << 20 {
+        elsewhere
+            .batch_execute(
+                "INSERT INTO noise SELECT g, repeat(md5(g::text), 28) FROM generate_series(1, 50000) g",
+            )
+            .expect("foreign writes");
+    }
+    // A checkpoint logs the running transactions: the point a logical
+    // slot's restart_lsn can move to.
+    p.source.psql("CHECKPOINT");
+    let retained = "SELECT (pg_current_wal_lsn() - restart_lsn)::int8 FROM pg_replication_slots WHERE slot_name = 'trellara_shop'";
+    let limit = 16i64 << 20;
+    wait_until("the slot released the foreign WAL", 60, &|| {
+        p.source.psql_value(retained).parse::<i64>().expect("bytes") < limit
+    });
+    wait_until("the gauge shows it", 30, &|| {
+        let (_, metrics) = http_get(&addr, "/metrics");
+        sample(&metrics, "trellara_slot_retained_wal_bytes") < limit as f64
+    });
+    // Nothing of the foreign database reached the flow.
+    let (_, metrics) = http_get(&addr, "/metrics");
+    assert_eq!(
+        sample(&metrics, "trellara_captured_transactions_total"),
+        0.0
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("sigterm");
+    let status = child.wait().expect("reap");
+    assert!(status.success(), "{status}\n{}", stderr.lock().unwrap());
 }
