@@ -171,12 +171,8 @@ pub fn shutdown_signal() -> tokio::sync::watch::Receiver<bool> {
     rx
 }
 
-/// First wait before following again after a database went away; it
-/// doubles up to [`RETRY_MAX`], and starts over after a round that ran
-/// [`RETRY_RESET`].
-const RETRY_FIRST: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(30);
-const RETRY_RESET: Duration = Duration::from_secs(60);
+/// The tuning every run uses (and `config show` prints).
+const TUNING: crate::plan::Tuning = crate::plan::Tuning::DEFAULT;
 
 /// `run --follow`: follows until SIGTERM or Ctrl-C, riding through a
 /// source or target that restarts or cannot be reached for a while. Each
@@ -203,7 +199,7 @@ pub async fn follow(
         flow: flow.name.clone(),
         ..RunReport::default()
     };
-    let mut delay = RETRY_FIRST;
+    let mut delay = TUNING.retry_first;
     // Held across rounds, so nothing (a teardown, another run) takes the
     // log while this process waits to follow again.
     let held = match flow.log_dir() {
@@ -231,8 +227,8 @@ pub async fn follow(
             }
             Err(e) if e.retryable() && !*shutdown.borrow() => {
                 report(FlowState::Retrying, Some(&e));
-                if started.elapsed() >= RETRY_RESET {
-                    delay = RETRY_FIRST;
+                if started.elapsed() >= TUNING.retry_reset {
+                    delay = TUNING.retry_first;
                 }
                 progress(&format!(
                     "{}; following again in {} s",
@@ -243,7 +239,7 @@ pub async fn follow(
                     () = tokio::time::sleep(delay) => {}
                     _ = shutdown.wait_for(|stop| *stop) => return Ok(total),
                 }
-                delay = (delay * 2).min(RETRY_MAX);
+                delay = (delay * 2).min(TUNING.retry_max);
             }
             Err(e) => {
                 report(FlowState::Stopped, Some(&e));
@@ -762,10 +758,10 @@ async fn run_round<W: Watch>(
         dataset_id: flow.name.clone(),
         log_dir: log_dir.clone(),
         proto_version: ProtoVersion::V2,
-        memory_budget: 64 << 20,
-        chunk_bytes: 4 << 20,
-        status_interval: Duration::from_millis(200),
-        max_backoff: Duration::from_secs(10),
+        memory_budget: TUNING.memory_budget_bytes,
+        chunk_bytes: TUNING.chunk_bytes,
+        status_interval: TUNING.status_interval,
+        max_backoff: TUNING.max_backoff,
         pinned: snapshot_pins(&target, &flow.name).await?,
         floor,
         progress: Some(tx.clone()),
@@ -860,8 +856,8 @@ async fn run_round<W: Watch>(
         .await
         .map_err(FlowError::Target)?;
     let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
-        .with_patience(CHUNK_PATIENCE)
-        .with_cursor_every(CURSOR_EVERY);
+        .with_patience(TUNING.chunk_patience)
+        .with_cursor_every(TUNING.cursor_every);
     // The log hands the applier each transaction as it is written, so the
     // next one is usually on its way when one commits. The topic delivers
     // later: a transaction opened there would mostly wait idle.
@@ -933,7 +929,7 @@ async fn run_round<W: Watch>(
                         crate::apply::accumulate(&mut total, stats);
                     }
                 }
-                if finished || last_retention.elapsed() >= RETENTION_EVERY {
+                if finished || last_retention.elapsed() >= TUNING.retention_every {
                     last_retention = std::time::Instant::now();
                     enforce_retention(&log);
                 }
@@ -941,7 +937,7 @@ async fn run_round<W: Watch>(
                     persist(&mut applier, false).await?;
                     return Ok(total);
                 }
-                let idle = tokio::time::sleep(IDLE_TICK);
+                let idle = tokio::time::sleep(TUNING.idle_tick);
                 tokio::pin!(idle);
                 loop {
                     tokio::select! {
@@ -953,7 +949,7 @@ async fn run_round<W: Watch>(
                         () = begun.notified(), if kafka.is_none() => {
                             applier.open_ahead().await;
                             // Its rows get the whole tick to come.
-                            idle.as_mut().reset(tokio::time::Instant::now() + IDLE_TICK);
+                            idle.as_mut().reset(tokio::time::Instant::now() + TUNING.idle_tick);
                         }
                         () = &mut idle => {
                             applier.close_opened().await;
@@ -1232,19 +1228,6 @@ async fn native_capture(
 /// gives up with its reason.
 const NATIVE_WORKER_PATIENCE: Duration = Duration::from_secs(30);
 
-/// How often a following run trims the log.
-const RETENTION_EVERY: Duration = Duration::from_secs(10);
-/// How long the applier holds a large transaction's target transaction
-/// open waiting for its next chunk before it rolls back and retries later
-/// (capture stopped mid-run, or stalled).
-const CHUNK_PATIENCE: Duration = Duration::from_secs(2);
-/// How often the applier persists its log cursor while it applies.
-const CURSOR_EVERY: Duration = Duration::from_millis(500);
-/// With nothing new for this long the applier is idle: it persists its
-/// cursor and rolls back a transaction it opened ahead for rows that did
-/// not come.
-const IDLE_TICK: Duration = Duration::from_millis(50);
-
 /// Deletes segments every consumer has passed, within the flow's size
 /// limit; what a lagging consumer holds is reported, never deleted.
 fn enforce_retention(log: &Log<FsStorage>) {
@@ -1265,11 +1248,7 @@ fn enforce_retention(log: &Log<FsStorage>) {
     }
 }
 
-/// How often the gauges (WAL the slot retains, bytes the log holds) are
-/// read while a flow runs.
-const GAUGES_EVERY: Duration = Duration::from_secs(2);
-
-/// Reads the gauges every [`GAUGES_EVERY`] until `applied` turns true (the
+/// Reads the gauges every [`TUNING.gauges_every`] until `applied` turns true (the
 /// applier ended). A failed read leaves the last value and is logged: a
 /// gauge never stops a flow.
 async fn gauges(
@@ -1302,7 +1281,7 @@ async fn gauges(
             }
         }
         tokio::select! {
-            () = tokio::time::sleep(GAUGES_EVERY) => {}
+            () = tokio::time::sleep(TUNING.gauges_every) => {}
             _ = applied.wait_for(|done| *done) => return,
         }
     }

@@ -16,6 +16,7 @@ pub mod lock;
 pub mod log;
 pub mod metrics;
 pub mod native;
+pub mod plan;
 pub mod preflight;
 pub mod semantics;
 pub mod sequences;

@@ -167,13 +167,7 @@ fn chaos_run_prints_the_matrix() {
 
 #[test]
 fn unbuilt_commands_say_so() {
-    for cmd in [
-        "fleet",
-        "lake",
-        "config",
-        "pilot-scorecard",
-        "pilot-package",
-    ] {
+    for cmd in ["fleet", "lake", "pilot-scorecard", "pilot-package"] {
         let out = trellara(&[cmd, "--config", "trellara.yml"]);
         assert_eq!(out.status.code(), Some(1), "{cmd}");
         let err = String::from_utf8_lossy(&out.stderr);
@@ -311,5 +305,112 @@ fn chaos_run_into_a_closed_pipe_does_not_panic() {
     assert!(
         status.success() || status.signal() == Some(13),
         "{status:?}: {stderr}"
+    );
+}
+
+#[test]
+fn config_show_and_redact_never_print_a_secret() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret_file = dir.path().join("target-url");
+    std::fs::write(&secret_file, "postgresql://bob:file-pass-3@t.example/t\n").expect("secret");
+    std::fs::write(
+        dir.path().join("trellara.yml"),
+        format!(
+            "schema_version: 2\nenvironment: evaluation\nflows:\n  - name: shop\n    source:\n      url: postgresql://alice:inline-pass-1@db.example:5432/shop?password=query-pass-2\n    target:\n      url: host=/tmp dbname=t user=bob password=kv-pass-4\n    tables: [public.orders]\n  - name: two\n    source:\n      url_env: TWO_SOURCE\n    target:\n      url_file: {}\n    tables: [public.x]\n    transport:\n      kind: local\n      log_dir: ./.trellara/two\n",
+            secret_file.display()
+        ),
+    )
+    .expect("config");
+    let vars = [("TWO_SOURCE", "postgresql://carol:env-pass-5@s.example/s")];
+    let secrets = [
+        "inline-pass-1",
+        "query-pass-2",
+        "file-pass-3",
+        "kv-pass-4",
+        "env-pass-5",
+    ];
+    for args in [
+        &["config", "show", "--config", "trellara.yml"][..],
+        &[
+            "config",
+            "show",
+            "--config",
+            "trellara.yml",
+            "--format",
+            "json",
+        ],
+        &["config", "redact", "--config", "trellara.yml"],
+    ] {
+        let out = trellara_in(dir.path(), args, &vars);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        for secret in secrets {
+            assert!(!text.contains(secret), "{args:?} printed {secret}:\n{text}");
+        }
+        assert!(text.contains("<redacted>"), "{args:?}: {text}");
+    }
+    // The plan resolves the references (hosts stay, for the reader).
+    let out = trellara_in(
+        dir.path(),
+        &[
+            "config",
+            "show",
+            "--config",
+            "trellara.yml",
+            "--flow",
+            "two",
+            "--format",
+            "json",
+        ],
+        &vars,
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(plan[0]["source"]["from"], "env:TWO_SOURCE");
+    assert!(
+        plan[0]["source"]["url"]
+            .as_str()
+            .unwrap()
+            .contains("s.example"),
+        "{plan}"
+    );
+    assert!(
+        plan[0]["target"]["url"]
+            .as_str()
+            .unwrap()
+            .contains("t.example"),
+        "{plan}"
+    );
+    assert_eq!(plan[0]["slot"], "trellara_two");
+    // Unset, it says so instead of failing the plan.
+    let out = trellara_in(
+        dir.path(),
+        &[
+            "config",
+            "show",
+            "--config",
+            "trellara.yml",
+            "--flow",
+            "two",
+        ],
+        &[],
+    );
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("TWO_SOURCE is not set"));
+    // The redacted copy is still a config that validates.
+    let out = trellara_in(
+        dir.path(),
+        &["config", "redact", "--config", "trellara.yml"],
+        &vars,
+    );
+    std::fs::write(dir.path().join("shared.yml"), &out.stdout).expect("copy");
+    let out = trellara_in(dir.path(), &["check", "--config", "shared.yml"], &vars);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
     );
 }

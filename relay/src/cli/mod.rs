@@ -22,6 +22,7 @@ macro_rules! errln {
 }
 
 mod chaos;
+mod config;
 mod flow;
 mod log;
 mod relay;
@@ -80,7 +81,7 @@ pub enum Command {
     /// Lakehouse fan-in plans and epochs.
     Lake(NotBuilt),
     /// Show or migrate configuration.
-    Config(NotBuilt),
+    Config(config::ConfigArgs),
     /// Inspect and verify a durable segment log directory.
     #[command(hide = true)]
     Log(log::LogArgs),
@@ -213,10 +214,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Lake(_) => ("lake", "the fleet fan-in issue"),
         Command::PilotScorecard(_) => ("pilot-scorecard", "the evidence package issue"),
         Command::PilotPackage(_) => ("pilot-package", "the evidence package issue"),
-        Command::Config(_) => (
-            "config",
-            "a later issue (config show/migrate); `trellara check --config` validates today",
-        ),
+        Command::Config(args) => return config::run(args),
         Command::Chaos(args) => return chaos::run(args),
         Command::Reseed(args) => return flow::reseed(args),
         Command::RepairPlan(args)
