@@ -11,11 +11,11 @@
 use crate::apply::{Applier, ApplyError, ApplyStats};
 use crate::capture::{self, CaptureConfig};
 use crate::config::{CapturePath, Flow};
+use crate::delivery::{Delivery, Signals, apply_stage};
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use crate::service::{FlowState, Observer};
 use crate::snapshot::{self, SnapshotReport};
 use crate::state::{self, SnapshotState};
-use crate::transport::kafka::{Feed, KafkaTarget, Publisher};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -369,30 +369,6 @@ pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError>
 /// one blocked behind a lock or a stuck server is an error naming it, not
 /// a hang. Copy, apply and verify's comparisons set no bound.
 pub const CATALOG_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Whether the target's checkpoint has reached the last commit the Kafka
-/// publisher sent.
-async fn applied_all_published(
-    applier: &Applier,
-    log: &Log<FsStorage>,
-    flow: &str,
-) -> Result<bool, ApplyError> {
-    let Some(published) = log
-        .cursor(&crate::transport::kafka::publisher_cursor(flow))
-        .and_then(|c| c.last_commit_lsn)
-    else {
-        return Ok(true);
-    };
-    let applied: Option<Lsn> = applier
-        .client()
-        .query_opt(
-            "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1",
-            &[&flow],
-        )
-        .await?
-        .and_then(|r| r.get::<_, String>(0).parse().ok());
-    Ok(applied.is_some_and(|a| a.0 >= published))
-}
 
 /// The fingerprints the flow's snapshot copied its tables at (the tables'
 /// `namespace.name`), for capture to pin.
@@ -797,7 +773,7 @@ async fn run_round<W: Watch>(
         ));
     }
     let (failed_tx, mut failed_rx) = tokio::sync::watch::channel(false);
-    let (done_tx, mut done_rx) = tokio::sync::watch::channel(false);
+    let (done_tx, done_rx) = tokio::sync::watch::channel(false);
     let stop = async move {
         tokio::select! {
             _ = rx.wait_for(|durable| *durable >= goal), if !follow => {}
@@ -832,23 +808,7 @@ async fn run_round<W: Watch>(
         let _ = done_tx.send(true);
         result
     };
-    // Kafka: a publisher forwards the log to the topic and the applier
-    // reads the topic (store and forward); local: the applier reads the log.
-    let kafka = match &flow.transport {
-        crate::config::Transport::Kafka { brokers, topic, .. } => {
-            let target = KafkaTarget {
-                brokers: brokers.clone(),
-                topic: topic.clone(),
-            };
-            target.ensure_topic().await.map_err(ApplyError::from)?;
-            let publisher = Publisher::new(target.clone(), &flow.name).map_err(ApplyError::from)?;
-            let feed = Feed::new(target, &crate::apply::cursor_name(&flow.name))
-                .map_err(ApplyError::from)?;
-            progress(&format!("transport: kafka topic {topic} on {brokers}"));
-            Some((publisher, feed))
-        }
-        crate::config::Transport::Local { .. } => None,
-    };
+    let delivery = Delivery::open(flow, progress).await?;
     // Applying is data work: a row lock held by a target reader is waited
     // for, not a reason to stop the flow.
     target
@@ -858,10 +818,7 @@ async fn run_round<W: Watch>(
     let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
         .with_patience(TUNING.chunk_patience)
         .with_cursor_every(TUNING.cursor_every);
-    // The log hands the applier each transaction as it is written, so the
-    // next one is usually on its way when one commits. The topic delivers
-    // later: a transaction opened there would mostly wait idle.
-    if kafka.is_none() {
+    if delivery.opens_ahead() {
         applier = applier.with_open_after_commit();
     }
     if let Some(o) = &observe {
@@ -869,97 +826,13 @@ async fn run_round<W: Watch>(
     }
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
-        let result: Result<ApplyStats, ApplyError> = async {
-            let mut total = ApplyStats::default();
-            let mut last_retention = std::time::Instant::now();
-            // The applier wakes as soon as capture wrote something (it commits
-            // only once that is durable); the Kafka publisher forwards only
-            // what is durable.
-            let mut moved = log.subscribe();
-            let horizon = || match kafka {
-                None => log.written_end(),
-                Some(_) => log.next_offset(),
-            };
-            // `when_due`: only once the cursor is due (it costs a durable
-            // target commit when the last ones were asynchronous).
-            let persist = async |applier: &mut Applier, when_due: bool| {
-                if when_due && !applier.cursor_due() {
-                    return Ok(());
-                }
-                match &kafka {
-                    None => applier.persist_cursor(&log).await,
-                    Some((_, feed)) => applier.persist_cursor(feed).await,
-                }
-            };
-            loop {
-                let seen = horizon();
-                let finished = *done_rx.borrow();
-                let stats = match &kafka {
-                    None => applier.apply_log(&log).await?,
-                    Some((publisher, feed)) => {
-                        publisher.publish(&log).await?;
-                        applier.apply_log_with(feed, &crate::crash::NoCrash).await?
-                    }
-                };
-                // Idle: what the cursor has not persisted yet goes once due.
-                if stats.transactions == 0 {
-                    persist(&mut applier, true).await?;
-                }
-                if let Some(o) = &observe {
-                    // Idle means applied through everything captured.
-                    o.health.lag(if stats.transactions == 0 {
-                        0.0
-                    } else {
-                        o.metrics.last_lag_seconds()
-                    });
-                }
-                crate::apply::accumulate(&mut total, stats);
-                if finished && let Some((_, feed)) = &kafka {
-                    // Caught up means applied through everything published: a
-                    // topic read can end on a quiet broker before it did.
-                    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-                    while !applied_all_published(&applier, &log, &flow.name).await? {
-                        if std::time::Instant::now() > deadline {
-                            return Err(crate::transport::TransportError::Undelivered {
-                                flow: flow.name.clone(),
-                            }
-                            .into());
-                        }
-                        let stats = applier.apply_log_with(feed, &crate::crash::NoCrash).await?;
-                        crate::apply::accumulate(&mut total, stats);
-                    }
-                }
-                if finished || last_retention.elapsed() >= TUNING.retention_every {
-                    last_retention = std::time::Instant::now();
-                    enforce_retention(&log);
-                }
-                if finished {
-                    persist(&mut applier, false).await?;
-                    return Ok(total);
-                }
-                let idle = tokio::time::sleep(TUNING.idle_tick);
-                tokio::pin!(idle);
-                loop {
-                    tokio::select! {
-                        biased;
-                        _ = done_rx.changed() => break,
-                        _ = moved.wait_for(|()| horizon() > seen) => break,
-                        // The topic delivers later than the log is written:
-                        // a transaction opened ahead would wait idle.
-                        () = begun.notified(), if kafka.is_none() => {
-                            applier.open_ahead().await;
-                            // Its rows get the whole tick to come.
-                            idle.as_mut().reset(tokio::time::Instant::now() + TUNING.idle_tick);
-                        }
-                        () = &mut idle => {
-                            applier.close_opened().await;
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        .await;
+        let signals = Signals {
+            captured: done_rx.clone(),
+            begun: &begun,
+            observe: observe.as_ref(),
+            tuning: &TUNING,
+        };
+        let result = apply_stage(&mut applier, &delivery, &log, &flow.name, signals).await;
         if result.is_err() {
             // Capture stops too.
             let _ = failed_tx.send(true);
@@ -1227,26 +1100,6 @@ async fn native_capture(
 /// How long the native worker may be away from streaming before a run
 /// gives up with its reason.
 const NATIVE_WORKER_PATIENCE: Duration = Duration::from_secs(30);
-
-/// Deletes segments every consumer has passed, within the flow's size
-/// limit; what a lagging consumer holds is reported, never deleted.
-fn enforce_retention(log: &Log<FsStorage>) {
-    let result = capture::release_source_ack(log).and_then(|()| log.enforce_retention());
-    match result {
-        Ok(report) => {
-            for p in &report.pressure {
-                tracing::warn!(consumer = %p.consumer, held_bytes = p.held_bytes, held_segments = p.held_segments, "retention pressure: a consumer holds log segments past the size limit");
-            }
-            if !report.deleted.is_empty() {
-                tracing::info!(
-                    segments = report.deleted.len(),
-                    "retention removed consumed log segments"
-                );
-            }
-        }
-        Err(e) => tracing::warn!(error = %e, "log retention failed; the log keeps its segments"),
-    }
-}
 
 /// Reads the gauges every [`TUNING.gauges_every`] until `applied` turns true (the
 /// applier ended). A failed read leaves the last value and is logged: a

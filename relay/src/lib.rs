@@ -7,6 +7,7 @@ pub mod capture;
 pub mod cli;
 pub mod config;
 pub mod crash;
+pub mod delivery;
 pub mod errors;
 pub mod flow;
 pub mod horizon;
