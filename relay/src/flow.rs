@@ -633,117 +633,38 @@ async fn run_round<W: Watch>(
     }
     // Checked again under the lock: the directory may be removed below.
     crate::identity::check_dir(&log_dir, &owner)?;
-    let current = snapshot::load(&target, &flow.name).await?;
-    if snapshot::needs_snapshot(current.as_ref().map(|r| r.state)) {
-        // A new boundary means a new stream: the old log cannot be applied
-        // on top of it.
-        if log_dir.exists() {
-            std::fs::remove_dir_all(&log_dir).map_err(|source| FlowError::LogDir {
-                path: log_dir.display().to_string(),
-                source,
-            })?;
-        }
-        progress(&format!(
-            "snapshot: {}",
-            current.map_or("first run".to_owned(), |r| format!(
-                "previous run was {}, re-planning",
-                r.state.as_str()
-            ))
-        ));
-        // A long copy stops at a signal too; the next run plans it again
-        // (an interrupted snapshot never resumes at its boundary).
-        let stop = shutdown.clone().filter(|_| follow);
-        health(FlowState::Snapshotting);
-        match snapshot::run(flow, &source_url, &source, &target, progress, stop).await {
-            Ok(copied) => report.snapshot = Some(copied),
-            // Following, a stop is the end asked for; a run that was to
-            // end at the source's position did not get there: an error.
-            Err(e @ snapshot::SnapshotError::Stopped) if follow => {
-                progress(&e.to_string());
-                return Ok(report);
-            }
-            Err(e) => return Err(e.into()),
-        }
-    } else {
-        let copied: Vec<String> = target
-            .query(
-                "SELECT table_name FROM trellara.snapshot_tables WHERE flow = $1",
-                &[&flow.name],
-            )
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let added: Vec<&str> = flow
-            .tables
-            .iter()
-            .filter(|t| !copied.contains(t))
-            .map(String::as_str)
-            .collect();
-        if !added.is_empty() {
-            return Err(FlowError::TablesAdded {
-                flow: flow.name.clone(),
-                it: if added.len() == 1 {
-                    "it was"
-                } else {
-                    "they were"
-                },
-                tables: added.join(", "),
-                config: config_path.to_owned(),
-            });
-        }
+    let stop = shutdown.clone().filter(|_| follow);
+    let boundary = Boundary {
+        flow,
+        config_path,
+        source_url: &source_url,
+        log_dir: &log_dir,
+        stop,
+        follow,
+    };
+    match ensure_boundary(boundary, &source, &target, &health, progress).await? {
+        Start::Snapshotted(copied) => report.snapshot = Some(copied),
+        Start::Resumed => {}
+        Start::Stopped => return Ok(report),
     }
 
     // Capture until everything committed before now is durable, however
     // it was committed (crate::horizon).
     let goal = crate::horizon::last_record_end(&source).await?;
-    let floor: Lsn = match target
-        .query_opt(
-            "SELECT end_lsn::text FROM trellara.checkpoints WHERE flow = $1",
-            &[&flow.name],
-        )
-        .await?
-    {
-        None => Lsn::ZERO,
-        Some(row) => {
-            let text: String = row.get(0);
-            text.parse().map_err(|_| FlowError::BadLsn {
-                what: format!(
-                    "the target's trellara.checkpoints.end_lsn of flow {}",
-                    flow.name
-                ),
-                text: text.clone(),
-            })?
-        }
-    };
+    let floor = checkpoint_floor(&target, &flow.name).await?;
     let (tx, mut rx) = tokio::sync::watch::channel(Lsn::ZERO);
     let tx = Arc::new(tx);
     let begun = Arc::new(tokio::sync::Notify::new());
-    let config = CaptureConfig {
-        source: source_url.parse().map_err(|e| {
-            crate::config::ConfigIssue::new(
-                format!("flows[{index}].source"),
-                format!("{e}"),
-                "use postgresql://user[:password]@host:port/db (or ?host=/socket/dir for a Unix socket)".into(),
-            )
-        })?,
-        slot: flow.slot(),
-        publications: vec![flow.publication()],
-        create_slot: false,
-        source_id: flow.source_id(),
-        dataset_id: flow.name.clone(),
-        log_dir: log_dir.clone(),
-        proto_version: ProtoVersion::V2,
-        memory_budget: TUNING.memory_budget_bytes,
-        chunk_bytes: TUNING.chunk_bytes,
-        status_interval: TUNING.status_interval,
-        max_backoff: TUNING.max_backoff,
-        pinned: snapshot_pins(&target, &flow.name).await?,
+    let captured = observe.as_ref().map(|o| o.metrics.captured.clone());
+    let capture_from = CaptureFrom {
+        flow,
+        index,
+        source_url: &source_url,
+        log_dir: &log_dir,
         floor,
-        progress: Some(tx.clone()),
-        begun: Some(Arc::clone(&begun)),
-        captured: observe.as_ref().map(|o| o.metrics.captured.clone()),
+        pinned: snapshot_pins(&target, &flow.name).await?,
     };
+    let config = capture_config(capture_from, &tx, &begun, captured.clone())?;
     if follow {
         progress(&format!(
             "capture: following slot {} until SIGTERM",
@@ -757,21 +678,7 @@ async fn run_round<W: Watch>(
     }
     // Capture and apply run together on one log: the applier takes what
     // is durable while capture continues, and finishes after capture stops.
-    let log_config = LogConfig {
-        retention: crate::log::RetentionPolicy {
-            max_total_bytes: flow.retention_bytes(),
-            ..crate::log::RetentionPolicy::keep_all()
-        },
-        ..LogConfig::default()
-    };
-    let (log, report_open) = Log::open(FsStorage::new(), &log_dir, log_config)?;
-    crate::identity::claim(&log, &log_dir, &owner)?;
-    if let Some(torn) = &report_open.torn_tail {
-        progress(&format!(
-            "log: cut a torn tail of {} bytes left by a crash",
-            torn.truncated_bytes
-        ));
-    }
+    let log = open_log(flow, &log_dir, &owner, progress)?;
     let (failed_tx, mut failed_rx) = tokio::sync::watch::channel(false);
     let (done_tx, done_rx) = tokio::sync::watch::channel(false);
     let stop = async move {
@@ -800,7 +707,7 @@ async fn run_round<W: Watch>(
                     progress: tx,
                     begun: Arc::clone(&begun),
                     floor,
-                    captured: observe.as_ref().map(|o| o.metrics.captured.clone()),
+                    captured,
                 };
                 native_capture(flow, &source, &log, native, stop).await
             }
@@ -882,9 +789,102 @@ async fn run_round<W: Watch>(
     report.envelopes_captured = stats.envelopes;
     report.capture_duplicates_skipped = stats.duplicates_skipped;
     report.caught_up_to = (!follow).then_some(goal);
+    wrap_up(flow, &source, target, &report, progress).await?;
+    Ok(report)
+}
+
+/// What capture of one round reads from.
+struct CaptureFrom<'a> {
+    flow: &'a Flow,
+    index: usize,
+    source_url: &'a str,
+    log_dir: &'a std::path::Path,
+    /// The target checkpoint's end LSN.
+    floor: Lsn,
+    /// The fingerprints the boundary copied the tables at.
+    pinned: HashMap<String, u64>,
+}
+
+/// The external capture's configuration for one round.
+fn capture_config(
+    from: CaptureFrom<'_>,
+    progress: &Arc<tokio::sync::watch::Sender<Lsn>>,
+    begun: &Arc<tokio::sync::Notify>,
+    captured: Option<prometheus::IntCounter>,
+) -> Result<CaptureConfig, FlowError> {
+    let CaptureFrom {
+        flow,
+        index,
+        source_url,
+        log_dir,
+        floor,
+        pinned,
+    } = from;
+    Ok(CaptureConfig {
+        source: source_url.parse().map_err(|e| {
+            crate::config::ConfigIssue::new(
+                format!("flows[{index}].source"),
+                format!("{e}"),
+                "use postgresql://user[:password]@host:port/db (or ?host=/socket/dir for a Unix socket)".into(),
+            )
+        })?,
+        slot: flow.slot(),
+        publications: vec![flow.publication()],
+        create_slot: false,
+        source_id: flow.source_id(),
+        dataset_id: flow.name.clone(),
+        log_dir: log_dir.to_path_buf(),
+        proto_version: ProtoVersion::V2,
+        memory_budget: TUNING.memory_budget_bytes,
+        chunk_bytes: TUNING.chunk_bytes,
+        status_interval: TUNING.status_interval,
+        max_backoff: TUNING.max_backoff,
+        pinned,
+        floor,
+        progress: Some(Arc::clone(progress)),
+        begun: Some(Arc::clone(begun)),
+        captured,
+    })
+}
+
+/// Opens the flow's log for the round (cutting a torn tail a crash left)
+/// and claims it for the flow and source.
+fn open_log(
+    flow: &Flow,
+    log_dir: &std::path::Path,
+    owner: &crate::identity::LogOwner,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Log<FsStorage>, FlowError> {
+    let log_config = LogConfig {
+        retention: crate::log::RetentionPolicy {
+            max_total_bytes: flow.retention_bytes(),
+            ..crate::log::RetentionPolicy::keep_all()
+        },
+        ..LogConfig::default()
+    };
+    let (log, report_open) = Log::open(FsStorage::new(), log_dir, log_config)?;
+    crate::identity::claim(&log, log_dir, owner)?;
+    if let Some(torn) = &report_open.torn_tail {
+        progress(&format!(
+            "log: cut a torn tail of {} bytes left by a crash",
+            torn.truncated_bytes
+        ));
+    }
+    Ok(log)
+}
+
+/// The end of a round that went well: its stop record cleared, the
+/// sequences brought forward, what it did said.
+async fn wrap_up(
+    flow: &Flow,
+    source: &Client,
+    target: &Client,
+    report: &RunReport,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), FlowError> {
     state::clear_stop(target, &flow.name).await?;
     // pgoutput carries no sequences: a cutover must not reuse a key.
-    match crate::sequences::bring_forward(flow, &source, target).await {
+    match crate::sequences::bring_forward(flow, source, target).await {
         Ok(moved) => moved.iter().for_each(|m| progress(m)),
         Err(e) => progress(&format!(
             "warning: the flow's sequences were not brought forward on the target: {}\nhint: grant the source role SELECT on them",
@@ -894,12 +894,131 @@ async fn run_round<W: Watch>(
     }
     progress(&format!(
         "captured {} transactions; applied {} ({} rows), {} duplicates skipped",
-        stats.envelopes,
+        report.envelopes_captured,
         report.apply.transactions,
         report.apply.rows,
         report.apply.duplicates_skipped
     ));
-    Ok(report)
+    Ok(())
+}
+
+/// Where a round starts its stream from.
+struct Boundary<'a> {
+    flow: &'a Flow,
+    config_path: &'a str,
+    source_url: &'a str,
+    log_dir: &'a std::path::Path,
+    /// Following: a signal stops a long copy too.
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
+    follow: bool,
+}
+
+/// How a round's stream starts.
+enum Start {
+    /// From a new boundary, just copied.
+    Snapshotted(SnapshotReport),
+    /// From the boundary the target has.
+    Resumed,
+    /// A signal stopped the copy while following: the round ends.
+    Stopped,
+}
+
+/// Takes a new snapshot when the flow has no boundary to stream from, or
+/// checks that the config names no table the boundary lacks.
+async fn ensure_boundary(
+    boundary: Boundary<'_>,
+    source: &Client,
+    target: &Client,
+    health: &dyn Fn(FlowState),
+    progress: &mut dyn FnMut(&str),
+) -> Result<Start, FlowError> {
+    let Boundary {
+        flow,
+        config_path,
+        source_url,
+        log_dir,
+        stop,
+        follow,
+    } = boundary;
+    let current = snapshot::load(target, &flow.name).await?;
+    if snapshot::needs_snapshot(current.as_ref().map(|r| r.state)) {
+        // A new boundary means a new stream: the old log cannot be applied
+        // on top of it.
+        if log_dir.exists() {
+            std::fs::remove_dir_all(log_dir).map_err(|source| FlowError::LogDir {
+                path: log_dir.display().to_string(),
+                source,
+            })?;
+        }
+        progress(&format!(
+            "snapshot: {}",
+            current.map_or("first run".to_owned(), |r| format!(
+                "previous run was {}, re-planning",
+                r.state.as_str()
+            ))
+        ));
+        // A long copy stops at a signal too; the next run plans it again
+        // (an interrupted snapshot never resumes at its boundary).
+        health(FlowState::Snapshotting);
+        match snapshot::run(flow, source_url, source, target, progress, stop).await {
+            Ok(copied) => Ok(Start::Snapshotted(copied)),
+            // Following, a stop is the end asked for; a run that was to
+            // end at the source's position did not get there: an error.
+            Err(e @ snapshot::SnapshotError::Stopped) if follow => {
+                progress(&e.to_string());
+                Ok(Start::Stopped)
+            }
+            Err(e) => Err(e.into()),
+        }
+    } else {
+        let copied: Vec<String> = target
+            .query(
+                "SELECT table_name FROM trellara.snapshot_tables WHERE flow = $1",
+                &[&flow.name],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let added: Vec<&str> = flow
+            .tables
+            .iter()
+            .filter(|t| !copied.contains(t))
+            .map(String::as_str)
+            .collect();
+        if !added.is_empty() {
+            return Err(FlowError::TablesAdded {
+                flow: flow.name.clone(),
+                it: if added.len() == 1 {
+                    "it was"
+                } else {
+                    "they were"
+                },
+                tables: added.join(", "),
+                config: config_path.to_owned(),
+            });
+        }
+        Ok(Start::Resumed)
+    }
+}
+
+/// The end LSN of the target's checkpoint of `flow` (zero without one):
+/// capture's floor.
+async fn checkpoint_floor(target: &Client, flow: &str) -> Result<Lsn, FlowError> {
+    let Some(row) = target
+        .query_opt(
+            "SELECT end_lsn::text FROM trellara.checkpoints WHERE flow = $1",
+            &[&flow],
+        )
+        .await?
+    else {
+        return Ok(Lsn::ZERO);
+    };
+    let text: String = row.get(0);
+    text.parse().map_err(|_| FlowError::BadLsn {
+        what: format!("the target's trellara.checkpoints.end_lsn of flow {flow}"),
+        text,
+    })
 }
 
 /// The native capture path for one run: the extension's worker on the

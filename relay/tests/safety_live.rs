@@ -75,7 +75,7 @@ const SERVICE: &str = "service:\n  relay_listen: 127.0.0.1:0\n";
 
 fn config(flow: &str, source: &str, target: &str, tables: &[&str], log_dir: &str) -> String {
     format!(
-        "schema_version: 2\nenvironment: evaluation\nflows:\n  - name: {flow}\n    source:\n      url: {source}\n    target:\n      url: {target}\n    tables: [{}]\n    transport:\n      kind: local\n      log_dir: {log_dir}\n{SERVICE}",
+        "schema_version: 2\nenvironment: evaluation\n{SERVICE}flows:\n  - name: {flow}\n    source:\n      url: {source}\n    target:\n      url: {target}\n    tables: [{}]\n    transport:\n      kind: local\n      log_dir: {log_dir}\n",
         tables.join(", ")
     )
 }
