@@ -97,6 +97,10 @@ pub enum FlowError {
     Identity(#[from] crate::identity::IdentityError),
     #[error(transparent)]
     Horizon(#[from] crate::horizon::HorizonError),
+    #[error(
+        "flow {flow} is already running against this target: {holder} holds its lock; nothing was changed\nhint: one process runs a flow, on any host: stop the other one (SIGTERM) first"
+    )]
+    Busy { flow: String, holder: String },
     #[error("log directory {path}: {source}")]
     LogDir {
         path: String,
@@ -609,6 +613,14 @@ async fn run_round<W: Watch>(
         ..RunReport::default()
     };
 
+    // One process per flow on the target, from whichever host; taken
+    // first, so a refused process leaves nothing behind on its own host.
+    if let Some(holder) = state::lock_flow(&target, &flow.name).await? {
+        return Err(FlowError::Busy {
+            flow: flow.name.clone(),
+            holder,
+        });
+    }
     // One writer per log, across processes, for the whole run.
     let _lock = if locked {
         None

@@ -171,6 +171,59 @@ pub async fn owns_slot(
 }
 
 /// Forgets a recorded stop: the flow ran again and ended well.
+/// How long [`lock_flow`] waits for a lock held by another session.
+const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Takes the flow's lock on the target for this session: one process runs
+/// a flow against a target, whichever host it is on (a local log lock only
+/// covers one machine). Session-level, so it goes with the session: a
+/// process that dies or loses its connection frees it. None: taken; Some:
+/// who holds it.
+pub async fn lock_flow(
+    client: &Client,
+    flow: &str,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    // A process killed a moment ago leaves its session until the server
+    // notices (at the end of the statement it was running): worth a wait.
+    let patience = std::time::Instant::now() + LOCK_PATIENCE;
+    loop {
+        let taken: bool = client
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtext('trellara.flow'), hashtext($1))",
+                &[&flow],
+            )
+            .await?
+            .get(0);
+        if taken {
+            return Ok(None);
+        }
+        if std::time::Instant::now() >= patience {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    // The two-key form shows in pg_locks as classid, objid (as oids) with
+    // objsubid 2.
+    let holder = client
+        .query_opt(
+            "SELECT a.pid, coalesce(host(a.client_addr), 'a local socket'), a.application_name
+             FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND l.classid::int8 = (hashtext('trellara.flow')::int8 & 4294967295)
+               AND l.objid::int8 = (hashtext($1)::int8 & 4294967295)",
+            &[&flow],
+        )
+        .await?;
+    Ok(Some(holder.map_or_else(
+        || "another session (not visible to this role)".to_owned(),
+        |r| {
+            let (pid, from, app): (i32, String, String) = (r.get(0), r.get(1), r.get(2));
+            format!("the target session of pid {pid} from {from} (application_name {app:?})")
+        },
+    )))
+}
+
 pub async fn clear_stop(client: &Client, flow: &str) -> Result<(), tokio_postgres::Error> {
     client
         .execute("DELETE FROM trellara.flow_stops WHERE flow = $1", &[&flow])

@@ -1618,3 +1618,97 @@ fn a_following_run_between_rounds_keeps_its_log() {
     let text = exits(&out, 1, "teardown while the flow waits to follow again");
     assert!(text.contains("flow wait is running"), "{text}");
 }
+
+#[test]
+fn a_second_process_on_a_flow_is_refused_through_the_target() {
+    for major in Major::ALL {
+        eprintln!("on {major}");
+        second_process(major);
+    }
+}
+
+/// Two hosts with the same config (each its own directory and log): the
+/// second run is refused through the target's lock (exit 3, naming the
+/// holder), leaves nothing on its host, and runs once the first stopped.
+fn second_process(major: Major) {
+    let Some(c) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    databases(&c, &["src", "tgt"], TABLES);
+    let (first, second) = (
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    );
+    for d in [first.path(), second.path()] {
+        write_flow(
+            d,
+            "trellara.yml",
+            "busy",
+            &c.connection_string("src"),
+            &c.connection_string("tgt"),
+            &["public.orders"],
+        );
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(first.path())
+        .args(["run", "--config", "trellara.yml", "--local", "--follow"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let mut target = c.try_connect("tgt").expect("connect");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let held: i64 = target
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+                &[],
+            )
+            .expect("pg_locks")
+            .get(0);
+        if held == 1 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first run never took its lock"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let text = exits(
+        &trellara(
+            second.path(),
+            &["run", "--config", "trellara.yml", "--local"],
+        ),
+        3,
+        "a second process on the flow",
+    );
+    assert!(
+        text.contains("flow busy is already running against this target") && text.contains("pid"),
+        "{text}"
+    );
+    assert!(
+        !second.path().join(".trellara").exists(),
+        "the refused run left nothing on its host"
+    );
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    ends_within(&mut child, 60, "the first run after SIGTERM");
+    // The lock went with the first process. The second host has no log
+    // of what the first captured, so it may not just go on: it is told
+    // to reseed, never streams past a gap.
+    let text = exits(
+        &trellara(
+            second.path(),
+            &["run", "--config", "trellara.yml", "--local"],
+        ),
+        1,
+        "the second run once the first stopped",
+    );
+    assert!(
+        !text.contains("already running") && text.contains("past what the log holds"),
+        "{text}"
+    );
+}
