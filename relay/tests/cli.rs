@@ -414,3 +414,36 @@ fn config_show_and_redact_never_print_a_secret() {
         String::from_utf8_lossy(&out.stdout)
     );
 }
+
+#[test]
+fn the_systemd_unit_runs_a_command_line_the_binary_accepts() {
+    let unit = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../packaging/systemd/trellara-flow@.service"
+    ))
+    .expect("the unit");
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("ExecStart");
+    assert!(unit.contains("ExecReload=/bin/kill -HUP $MAINPID"));
+    assert!(unit.contains("Restart=on-failure") && unit.contains("RestartPreventExitStatus=3"));
+    let mut words = exec.split_whitespace();
+    assert_eq!(words.next(), Some("/usr/local/bin/trellara"));
+    // The arguments as systemd passes them for trellara-flow@shop, with the
+    // config moved to a file that does not exist: a config error (exit 1),
+    // not a usage error (2).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let args: Vec<String> = words
+        .map(|w| match w {
+            "/etc/trellara/trellara.yml" => dir.path().join("absent.yml").display().to_string(),
+            other => other.replace("%i", "shop"),
+        })
+        .collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_eq!(&args[..3], ["run", "--config", &args[2]]);
+    let out = trellara_in(dir.path(), &args, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("absent.yml"), "{err}");
+}
