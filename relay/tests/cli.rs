@@ -441,7 +441,7 @@ fn the_systemd_unit_runs_a_command_line_the_binary_accepts() {
         })
         .collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    assert_eq!(&args[..3], ["run", "--config", &args[2]]);
+    assert_eq!(&args[..3], ["run", "--config", args[2]]);
     let out = trellara_in(dir.path(), &args, &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
