@@ -10,6 +10,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use trellara_tests::endpoints::{http_get, metric};
 use trellara_tests::{Cluster, ClusterOptions, Major, test_cluster};
 
 const SCHEMA: &str = "
@@ -1725,12 +1726,7 @@ fn follow_applies_as_it_goes_and_stops_cleanly_on_sigterm_on(major: Major) {
             &(5 + (round + 1) * 10).to_string(),
         );
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("sigterm");
-    let status = child.wait().expect("reap");
+    let status = terminate(&mut child);
     assert!(
         status.success(),
         "run --follow exits 0 on SIGTERM: {status}"
@@ -1790,12 +1786,7 @@ fn follow_rides_through_a_target_restart_on(major: Major) {
         child.try_wait().expect("poll").is_none(),
         "the follower kept running"
     );
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("sigterm");
-    let status = child.wait().expect("reap");
+    let status = terminate(&mut child);
     let said = std::fs::read_to_string(d.join("follow.log")).unwrap_or_default();
     assert!(status.success(), "exit 0 on SIGTERM: {status}\n{said}");
     assert!(said.contains("following again in"), "{said}");
@@ -2487,46 +2478,6 @@ fn a_value_that_does_not_fit_on(major: Major) {
     }
 }
 
-/// One GET over a fresh connection: (status, body).
-fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the endpoints");
-    stream
-        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
-        .expect("timeout");
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("request");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("a head and a body");
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("a status code");
-    (status, body.to_owned())
-}
-
-/// The value of the one series of `name` in Prometheus text.
-fn sample(metrics: &str, name: &str) -> f64 {
-    let values: Vec<f64> = metrics
-        .lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")))
-        .map(|l| {
-            l.rsplit_once(' ')
-                .expect("a value")
-                .1
-                .parse()
-                .expect("a number")
-        })
-        .collect();
-    assert_eq!(values.len(), 1, "one series of {name}:\n{metrics}");
-    values[0]
-}
-
 /// `run --follow` in `dir`, its stderr gathered as it comes; returns the
 /// child, the address it serves its endpoints on, and the stderr so far.
 fn spawn_follower(d: &Path) -> (std::process::Child, String, Arc<std::sync::Mutex<String>>) {
@@ -2661,30 +2612,30 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
         "12"
     );
     assert_eq!(
-        sample(&metrics, "trellara_captured_transactions_total"),
+        metric(&metrics, "trellara_captured_transactions_total"),
         12.0
     );
     assert_eq!(
-        sample(&metrics, "trellara_applied_transactions_total"),
+        metric(&metrics, "trellara_applied_transactions_total"),
         12.0
     );
     assert_eq!(
-        sample(&metrics, "trellara_quarantined_transactions_total"),
+        metric(&metrics, "trellara_quarantined_transactions_total"),
         p.target
             .psql_value("SELECT count(*) FROM trellara.quarantine WHERE flow = 'shop'")
             .parse::<f64>()
             .expect("count")
     );
     assert_eq!(
-        sample(&metrics, "trellara_skipped_duplicate_transactions_total"),
+        metric(&metrics, "trellara_skipped_duplicate_transactions_total"),
         0.0
     );
     assert_eq!(
-        sample(&metrics, "trellara_commit_to_apply_lag_seconds_count"),
+        metric(&metrics, "trellara_commit_to_apply_lag_seconds_count"),
         12.0
     );
     // The gauges against the slot and the log's segment files.
-    let slot = sample(&metrics, "trellara_slot_retained_wal_bytes");
+    let slot = metric(&metrics, "trellara_slot_retained_wal_bytes");
     assert!(
         slot >= before.min(after) - 65536.0 && slot <= before.max(after) + 65536.0,
         "slot retains {before}..{after} bytes; the gauge says {slot}"
@@ -2697,7 +2648,7 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
         .sum();
     assert!(segments > 0);
     assert_eq!(
-        sample(&metrics, "trellara_log_retained_bytes"),
+        metric(&metrics, "trellara_log_retained_bytes"),
         segments as f64
     );
     let (status, health) = http_get(&addr, "/healthz");
@@ -2752,12 +2703,7 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
         p.target.psql_value(orders) == "20"
     });
     assert_eq!(http_get(&addr, "/livez").0, 200);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("sigterm");
-    let status = child.wait().expect("reap");
+    let status = terminate(&mut child);
     assert!(
         status.success(),
         "SIGTERM drains: {status}\n{}",
@@ -2822,19 +2768,24 @@ fn an_idle_flow_keeps_no_foreign_wal_on(major: Major) {
     });
     wait_until("the gauge shows it", 30, &|| {
         let (_, metrics) = http_get(&addr, "/metrics");
-        sample(&metrics, "trellara_slot_retained_wal_bytes") < limit as f64
+        metric(&metrics, "trellara_slot_retained_wal_bytes") < limit as f64
     });
     // Nothing of the foreign database reached the flow.
     let (_, metrics) = http_get(&addr, "/metrics");
     assert_eq!(
-        sample(&metrics, "trellara_captured_transactions_total"),
+        metric(&metrics, "trellara_captured_transactions_total"),
         0.0
     );
+    let status = terminate(&mut child);
+    assert!(status.success(), "{status}\n{}", stderr.lock().unwrap());
+}
+
+/// SIGTERM to `child`, then its exit status.
+fn terminate(child: &mut std::process::Child) -> std::process::ExitStatus {
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
     )
     .expect("sigterm");
-    let status = child.wait().expect("reap");
-    assert!(status.success(), "{status}\n{}", stderr.lock().unwrap());
+    child.wait().expect("reap")
 }

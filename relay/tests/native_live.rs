@@ -18,6 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use trellara_common::envelope::{self, change, value};
 use trellara_relay::log::{Log, LogConfig, storage::FsStorage};
+use trellara_tests::endpoints::{http_get, metric};
 use trellara_tests::{Cluster, ClusterOptions, Major, OS_USER, test_cluster};
 
 const SLOT: &str = "native_slot";
@@ -1020,5 +1021,149 @@ fn start_worker_replaces_the_running_worker() {
         n.wait_caught_up();
         n.stop_relay(false);
         n.assert_no_gap();
+    });
+}
+
+/// `run --follow` on the native path: its metrics count what the worker
+/// sent and the target applied, and an idle flow on a source busy in
+/// another database keeps no foreign WAL in its slot.
+#[test]
+fn a_native_follower_counts_and_keeps_no_foreign_wal() {
+    on_every_major(|major| {
+        if !enabled(major) {
+            return;
+        }
+        let Some(source) = test_cluster(
+            major,
+            &ClusterOptions::new().shared_preload_library("trellara"),
+        ) else {
+            return;
+        };
+        let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
+            return;
+        };
+        let schema = "CREATE TABLE public.orders (id bigint PRIMARY KEY, note text)";
+        source.psql(schema);
+        target.psql(schema);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let owner = nix::unistd::User::from_name(OS_USER)
+            .expect("getpwnam")
+            .expect("OS user");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))
+            .expect("chmod");
+        nix::unistd::chown(dir.path(), Some(owner.uid), Some(owner.gid)).expect("chown");
+        let as_owner = |args: &[&str]| {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_trellara"));
+            std::os::unix::process::CommandExt::uid(&mut cmd, owner.uid.as_raw());
+            std::os::unix::process::CommandExt::gid(&mut cmd, owner.gid.as_raw());
+            cmd.current_dir(dir.path())
+                .env("HOME", dir.path())
+                .args(args);
+            cmd
+        };
+        let init = as_owner(&[
+            "init",
+            "--source-database-url",
+            &source.connection_string("postgres"),
+            "--target-database-url",
+            &target.connection_string("postgres"),
+            "--table",
+            "public.orders",
+            "--capture",
+            "native",
+            "--evaluate",
+        ])
+        .output()
+        .expect("init");
+        assert!(
+            init.status.success(),
+            "{}",
+            String::from_utf8_lossy(&init.stderr)
+        );
+        let config = dir.path().join("trellara.yml");
+        let mut text = std::fs::read_to_string(&config).expect("config");
+        text.push_str("service:\n  relay_listen: 127.0.0.1:0\n");
+        std::fs::write(&config, text).expect("config");
+        let mut child = as_owner(&["run", "--config", "trellara.yml", "--local", "--follow"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn run --follow");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if let Some(rest) = line.split("service: serving http://").nth(1) {
+                    let _ = tx.send(rest.split('/').next().unwrap_or_default().to_owned());
+                }
+            }
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the follower names its address");
+        let wait = |what: &str, ok: &dyn Fn() -> bool| {
+            let deadline = Instant::now() + Duration::from_secs(90);
+            while !ok() {
+                assert!(Instant::now() < deadline, "{major}: never {what}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        };
+        wait("ready", &|| http_get(&addr, "/readyz").0 == 200);
+        for id in 1..=7 {
+            source.psql(&format!("INSERT INTO public.orders VALUES ({id}, 'n')"));
+        }
+        wait("applied", &|| {
+            target.psql_value("SELECT count(*) FROM public.orders") == "7"
+        });
+        let metrics = http_get(&addr, "/metrics").1;
+        assert_eq!(
+            metric(&metrics, "trellara_captured_transactions_total"),
+            7.0
+        );
+        assert_eq!(metric(&metrics, "trellara_applied_transactions_total"), 7.0);
+        // Foreign writes: 256 MiB of WAL in another database.
+        source.psql("CREATE DATABASE elsewhere");
+        let mut elsewhere = source.try_connect("elsewhere").expect("connect elsewhere");
+        let wal = |c: &mut postgres::Client| -> i64 {
+            c.query_one("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8", &[])
+                .expect("wal position")
+                .get(0)
+        };
+        let from = wal(&mut elsewhere);
+        elsewhere
+            .batch_execute("CREATE TABLE noise (g int, pad text)")
+            .expect("noise table");
+        while wal(&mut elsewhere) - from < 256 << 20 {
+            elsewhere
+                .batch_execute(
+                    "INSERT INTO noise SELECT g, repeat(md5(g::text), 28) FROM generate_series(1, 50000) g",
+                )
+                .expect("foreign writes");
+        }
+        source.psql("CHECKPOINT");
+        let retained = "SELECT (pg_current_wal_lsn() - restart_lsn)::int8 FROM pg_replication_slots WHERE slot_name = 'trellara_main'";
+        let limit = 16i64 << 20;
+        wait("the slot released the foreign WAL", &|| {
+            source.psql_value(retained).parse::<i64>().expect("bytes") < limit
+        });
+        wait("the gauge shows it", &|| {
+            metric(
+                &http_get(&addr, "/metrics").1,
+                "trellara_slot_retained_wal_bytes",
+            ) < limit as f64
+        });
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .expect("sigterm");
+        assert!(
+            child.wait().expect("reap").success(),
+            "{major}: SIGTERM drains"
+        );
     });
 }

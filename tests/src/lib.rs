@@ -35,6 +35,7 @@
 
 mod broker;
 mod cluster;
+pub mod endpoints;
 mod major;
 mod matrix;
 
