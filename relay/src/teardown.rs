@@ -158,6 +158,17 @@ pub fn refuse_running(flow: &Flow) -> Result<(), TeardownError> {
 /// Reads what teardown would remove; changes nothing.
 pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan, TeardownError> {
     refuse_running(flow)?;
+    // A run on another host holds the flow's lock on the target; taken
+    // here, it also keeps a run from starting while teardown removes.
+    if let Some(holder) = crate::state::lock_flow(target, &flow.name)
+        .await
+        .map_err(TeardownError::Target)?
+    {
+        return Err(TeardownError::Running {
+            flow: flow.name.clone(),
+            why: format!("{holder} holds its lock on the target"),
+        });
+    }
     let mut steps = Vec::new();
     let mut kept = Vec::new();
     let slot = flow.slot();

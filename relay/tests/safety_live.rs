@@ -1691,6 +1691,16 @@ fn second_process(major: Major) {
         !second.path().join(".trellara").exists(),
         "the refused run left nothing on its host"
     );
+    // Nor may the other host tear the flow down under it.
+    let text = exits(
+        &trellara(
+            second.path(),
+            &["teardown", "--config", "trellara.yml", "--yes"],
+        ),
+        1,
+        "a teardown from the other host",
+    );
+    assert!(text.contains("holds its lock on the target"), "{text}");
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
