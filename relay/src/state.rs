@@ -170,7 +170,6 @@ pub async fn owns_slot(
     Ok(claimed || snapshotted)
 }
 
-/// Forgets a recorded stop: the flow ran again and ended well.
 /// How long [`lock_flow`] waits for a lock held by another session.
 const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -224,6 +223,7 @@ pub async fn lock_flow(
     )))
 }
 
+/// Forgets a recorded stop: the flow ran again and ended well.
 pub async fn clear_stop(client: &Client, flow: &str) -> Result<(), tokio_postgres::Error> {
     client
         .execute("DELETE FROM trellara.flow_stops WHERE flow = $1", &[&flow])

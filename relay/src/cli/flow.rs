@@ -531,7 +531,9 @@ async fn reload_on_hangup(
         if changed.is_empty() {
             errln!("{prefix}: config valid; nothing else changed");
         }
-        running = loaded;
+        // Only what applied live is now running; the rest is compared
+        // with what started at the next SIGHUP too.
+        running.service.ready_max_lag_seconds = loaded.service.ready_max_lag_seconds;
     }
 }
 
