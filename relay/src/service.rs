@@ -194,6 +194,9 @@ pub struct BindError {
     source: std::io::Error,
 }
 
+/// Connections answered at once; a scraper needs one.
+const MAX_CONNECTIONS: usize = 32;
+
 /// A bound listener; [`Endpoints::serve`] answers on it.
 #[derive(Debug)]
 pub struct Endpoints {
@@ -230,7 +233,13 @@ impl Endpoints {
     /// a client that stalls holds only itself.
     pub async fn serve(self) {
         let shared = Arc::new((self.metrics, self.health));
+        // A client that opens connections without end holds at most this
+        // many descriptors; the rest wait in the listen backlog.
+        let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         loop {
+            let Ok(permit) = Arc::clone(&open).acquire_owned().await else {
+                return;
+            };
             let Ok((stream, _)) = self.listener.accept().await else {
                 // Out of descriptors, say: wait rather than spin.
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -238,6 +247,7 @@ impl Endpoints {
             };
             let shared = Arc::clone(&shared);
             tokio::spawn(async move {
+                let _permit = permit;
                 let service = hyper::service::service_fn(move |request| {
                     let shared = Arc::clone(&shared);
                     async move {
