@@ -129,39 +129,66 @@ pub fn redact(text: &str) -> String {
         }
     }
     out.push_str(rest);
-    // key=value form
-    let mut result = String::with_capacity(out.len());
-    let mut words = out.split(' ').peekable();
-    while let Some(w) = words.next() {
-        if w.starts_with("password=") {
-            result.push_str("password=<redacted>");
-        } else {
-            result.push_str(&redact_query_password(w));
-        }
-        if words.peek().is_some() {
-            result.push(' ');
-        }
-    }
-    result
+    redact_keywords(&out)
 }
 
-/// A URL's `?password=` / `&password=` parameter, redacted.
-fn redact_query_password(word: &str) -> String {
-    let Some(q) = word.find('?') else {
-        return word.to_owned();
-    };
-    let (base, query) = word.split_at(q + 1);
-    let params: Vec<&str> = query
-        .split('&')
-        .map(|p| {
-            if p.starts_with("password=") {
-                "password=<redacted>"
-            } else {
-                p
+/// The keywords whose values are secrets, in libpq's key=value form and
+/// in a URL's query.
+const SECRET_KEYWORDS: [&str; 2] = ["password", "sslpassword"];
+
+/// Replaces the value of each secret keyword: `password=x`, `password = x`,
+/// `password='a b\' c'` (libpq's quoting), and `?password=x&...` in a URL,
+/// whatever whitespace (spaces, tabs, newlines) separates them.
+fn redact_keywords(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut copied = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        let starts_word =
+            i == 0 || matches!(bytes[i - 1], b'?' | b'&') || bytes[i - 1].is_ascii_whitespace();
+        let keyword = SECRET_KEYWORDS
+            .iter()
+            .find(|k| starts_word && bytes[i..].starts_with(k.as_bytes()));
+        let Some(keyword) = keyword else {
+            i += 1;
+            continue;
+        };
+        let in_query = i > 0 && matches!(bytes[i - 1], b'?' | b'&');
+        let mut j = i + keyword.len();
+        while j < bytes.len() && bytes[j].is_ascii_whitespace() && !in_query {
+            j += 1;
+        }
+        if bytes.get(j) != Some(&b'=') {
+            i += keyword.len();
+            continue;
+        }
+        j += 1;
+        while j < bytes.len() && bytes[j].is_ascii_whitespace() && !in_query {
+            j += 1;
+        }
+        let value_start = j;
+        if bytes.get(j) == Some(&b'\'') && !in_query {
+            j += 1;
+            while j < bytes.len() && bytes[j] != b'\'' {
+                j += if bytes[j] == b'\\' { 2 } else { 1 };
             }
-        })
-        .collect();
-    format!("{base}{}", params.join("&"))
+            j = (j + 1).min(bytes.len());
+        } else {
+            while j < bytes.len()
+                && !bytes[j].is_ascii_whitespace()
+                && !(in_query && matches!(bytes[j], b'&' | b'#'))
+            {
+                j += 1;
+            }
+        }
+        out.push_str(&text[copied..value_start]);
+        out.push_str("<redacted>");
+        copied = j;
+        i = j;
+    }
+    out.push_str(&text[copied..]);
+    out
 }
 
 #[cfg(test)]
@@ -185,5 +212,32 @@ mod tests {
             super::redact("host=h password=x user=u"),
             "host=h password=<redacted> user=u"
         );
+    }
+
+    #[test]
+    fn redacts_every_libpq_spelling_of_a_secret() {
+        let cases = [
+            (
+                "host=h password = x user=u",
+                "host=h password = <redacted> user=u",
+            ),
+            (
+                "host=h\tpassword=x\tuser=u",
+                "host=h\tpassword=<redacted>\tuser=u",
+            ),
+            ("password='a b\\' c' user=u", "password=<redacted> user=u"),
+            ("sslpassword=k host=h", "sslpassword=<redacted> host=h"),
+            ("password=a&b host=h", "password=<redacted> host=h"),
+            (
+                "postgresql://u@h/db?sslpassword=k&sslmode=require",
+                "postgresql://u@h/db?sslpassword=<redacted>&sslmode=require",
+            ),
+            // Not a keyword of its own: left alone.
+            ("mypassword=x", "mypassword=x"),
+            ("the password is short", "the password is short"),
+        ];
+        for (input, redacted) in cases {
+            assert_eq!(super::redact(input), redacted, "{input:?}");
+        }
     }
 }

@@ -80,8 +80,10 @@ pub struct CaptureConfig {
     /// Told as each source transaction begins, before the rest of it is
     /// received: the applier opens its target transaction meanwhile.
     pub begun: Option<std::sync::Arc<tokio::sync::Notify>>,
-    /// Counts each transaction received whole (`trellara_captured_transactions_total`).
-    pub captured: Option<prometheus::IntCounter>,
+    /// Where capture counts each transaction once durable
+    /// (`trellara_captured_transactions_total`) and reports its session
+    /// lost or streaming again.
+    pub observe: Option<crate::service::Observer>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -242,6 +244,12 @@ pub async fn run_on(
             Ok(()) => return Ok(stats),
             Err(err) if err.is_transient() => {
                 tracing::warn!(error = %err, retry_in = ?backoff, "capture connection lost; retrying");
+                if let Some(o) = &config.observe {
+                    o.health.failed(
+                        crate::service::FlowState::Retrying,
+                        format!("capture: {}", crate::errors::chain_of(&err)),
+                    );
+                }
                 tokio::select! {
                     () = tokio::time::sleep(backoff) => {}
                     () = &mut shutdown => return Ok(stats),
@@ -326,6 +334,9 @@ async fn session(
         check_slot(config, &info, resume)?;
     }
     drop(probe);
+    if let Some(o) = &config.observe {
+        o.health.state(crate::service::FlowState::Following);
+    }
 
     let mut assembler = Assembler::new(AssemblerConfig {
         source: SourceIdentity {
@@ -481,7 +492,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
     let mut in_stream_block = false;
     let mut pins_stored = pinned(config, log)?.len();
     let mut batch = Batch {
-        captured: config.captured.clone(),
+        captured: config.observe.as_ref().map(|o| o.metrics.captured.clone()),
         ..Batch::default()
     };
     // The fsync in flight: the written end it covers, and its wait.
@@ -502,7 +513,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
             batch.acknowledge(end, stream, hooks)?;
         }
         if syncing.is_none()
-            && let Some(&(end, _)) = batch.written.back()
+            && let Some(&(end, _, _)) = batch.written.back()
         {
             syncing = Some((end, Box::pin(log.sync_through(end))));
             continue;
@@ -638,15 +649,19 @@ const BATCH_RECORDS: usize = 1000;
 /// not yet known durable.
 #[derive(Debug, Default)]
 struct Batch {
-    /// Counts each transaction taken whole (the metric).
+    /// Counts each transaction once it is durable (the metric).
     captured: Option<prometheus::IntCounter>,
+    /// Transactions whose last envelope is in `records`.
+    transactions: u64,
     records: Vec<(u64, Vec<u8>)>,
     bytes: usize,
     /// End LSN of the last complete transaction in the batch.
     ack: Option<Lsn>,
-    /// Written writes in order: where each ends in the log, and the end
-    /// LSN the source may move to once it is durable.
-    written: std::collections::VecDeque<(u64, Option<Lsn>)>,
+    /// Written writes in order: where each ends in the log, the end LSN
+    /// the source may move to once it is durable, and how many whole
+    /// transactions it completes (counted as captured only then, so a
+    /// reconnect that drops an undurable write never counts it twice).
+    written: std::collections::VecDeque<(u64, Option<Lsn>, u64)>,
     /// The latest keepalive position seen with no transaction open: past
     /// WAL with nothing to capture, recorded by [`Batch::advance`].
     idle: Option<Lsn>,
@@ -673,9 +688,7 @@ impl Batch {
         self.records.push((env.commit_lsn, env.bytes));
         if env.last {
             self.ack = Some(Lsn(env.end_lsn));
-            if let Some(captured) = &self.captured {
-                captured.inc();
-            }
+            self.transactions += 1;
         }
         crash(hooks, CrashPoint::ReceivedNotAppended)?;
         // A large transaction's chunks go to disk as they come, so memory
@@ -705,7 +718,9 @@ impl Batch {
         let _ = stream;
         if self.records.is_empty() {
             if let Some(ack) = self.ack.take() {
-                self.written.push_back((log.written_end(), Some(ack)));
+                self.written
+                    .push_back((log.written_end(), Some(ack), self.transactions));
+                self.transactions = 0;
             }
             return Ok(());
         }
@@ -717,7 +732,9 @@ impl Batch {
         stats.envelopes += self.records.len() as u64;
         self.records.clear();
         self.bytes = 0;
-        self.written.push_back((written.end, self.ack.take()));
+        self.written
+            .push_back((written.end, self.ack.take(), self.transactions));
+        self.transactions = 0;
         Ok(())
     }
 
@@ -731,12 +748,15 @@ impl Batch {
     ) -> Result<(), CaptureError> {
         let mut ack = None;
         let mut appended = false;
-        while let Some(&(end, lsn)) = self.written.front()
+        while let Some(&(end, lsn, transactions)) = self.written.front()
             && end <= durable
         {
             self.written.pop_front();
             appended = true;
             ack = lsn.or(ack);
+            if let Some(captured) = &self.captured {
+                captured.inc_by(transactions);
+            }
         }
         if appended {
             crash(hooks, CrashPoint::AppendedNotAcknowledged)?;
@@ -813,7 +833,7 @@ impl Batch {
         hooks: &dyn CrashHooks,
     ) -> Result<(), CaptureError> {
         self.write(log, stream, stats)?;
-        if let Some(&(end, _)) = self.written.back() {
+        if let Some(&(end, _, _)) = self.written.back() {
             log.sync_through(end).await?;
             self.acknowledge(end, stream, hooks)?;
         }

@@ -101,6 +101,10 @@ pub enum FlowError {
         "flow {flow} is already running against this target: {holder} holds its lock; nothing was changed\nhint: one process runs a flow, on any host: stop the other one (SIGTERM) first"
     )]
     Busy { flow: String, holder: String },
+    #[error(
+        "flow {flow}: the target session holding the flow's lock ended, so another process could take the flow; this round stopped"
+    )]
+    LockLost { flow: String },
     #[error("log directory {path}: {source}")]
     LogDir {
         path: String,
@@ -128,7 +132,7 @@ impl FlowError {
                 })
         }
         match self {
-            FlowError::ConnectTimeout { .. } => true,
+            FlowError::ConnectTimeout { .. } | FlowError::LockLost { .. } => true,
             FlowError::Connect { source, .. } | FlowError::Target(source) => unreachable(source),
             FlowError::Apply(ApplyError::Target(crate::apply::TargetError::Postgres(e))) => {
                 unreachable(e)
@@ -213,17 +217,30 @@ pub async fn follow(
         })?),
         None => None,
     };
+    // The target lock too, on a session of its own: a round that fails
+    // leaves it held for the next.
+    let mut target_lock: Option<state::FlowLock> = None;
     loop {
         let started = std::time::Instant::now();
-        let options = RunOptions {
-            follow: true,
-            until: None,
-            watch: &mut NoWatch,
-            shutdown: Some(shutdown.clone()),
-            locked: held.is_some(),
-            observe: observe.clone(),
+        if target_lock.as_ref().is_some_and(state::FlowLock::is_lost) {
+            target_lock = None;
+        }
+        let round = async {
+            if target_lock.is_none() {
+                target_lock = Some(take_flow_lock(flow, index).await?);
+            }
+            let options = RunOptions {
+                follow: true,
+                until: None,
+                watch: &mut NoWatch,
+                shutdown: Some(shutdown.clone()),
+                locked: held.is_some(),
+                observe: observe.clone(),
+                target_lock: target_lock.as_ref(),
+            };
+            run_watched(flow, index, config_path, options, progress).await
         };
-        match run_watched(flow, index, config_path, options, progress).await {
+        match round.await {
             Ok(done) => {
                 report(FlowState::Stopped, None);
                 total.add(done);
@@ -251,6 +268,19 @@ pub async fn follow(
             }
         }
     }
+}
+
+/// Connects a session to the flow's target that holds its lock and does
+/// nothing else.
+async fn take_flow_lock(flow: &Flow, index: usize) -> Result<state::FlowLock, FlowError> {
+    let (_, target_url) = urls(flow, index)?;
+    let client = connect(&target_url, "target").await?;
+    state::FlowLock::take(client, &flow.name)
+        .await?
+        .map_err(|holder| FlowError::Busy {
+            flow: flow.name.clone(),
+            holder,
+        })
 }
 
 /// Preflight's checks, before anything is created or changed on either
@@ -475,6 +505,9 @@ pub struct RunOptions<'a, W: Watch> {
     /// Where the run reports its metrics and health (the service
     /// endpoints); None for a run nobody scrapes.
     pub observe: Option<Observer>,
+    /// The flow's target lock, held by the caller on a session of its own
+    /// ([`follow`]); None: the round takes it on its target session.
+    pub target_lock: Option<&'a state::FlowLock>,
 }
 
 /// Snapshot if needed, then capture and apply together until caught up
@@ -494,6 +527,7 @@ pub async fn run_once(
         shutdown: None,
         locked: false,
         observe: None,
+        target_lock: None,
     };
     run_watched(flow, index, config_path, options, progress).await
 }
@@ -591,6 +625,7 @@ async fn run_round<W: Watch>(
         shutdown,
         locked,
         observe,
+        target_lock,
     } = options;
     let health = |state: FlowState| {
         if let Some(o) = &observe {
@@ -603,8 +638,19 @@ async fn run_round<W: Watch>(
         .ok_or_else(|| FlowError::Unsupported(flow.name.clone()))?
         .to_path_buf();
     let (source_url, target_url) = urls(flow, index)?;
-    let source = connect(&source_url, "source").await?;
     let target = connect(&target_url, "target").await?;
+    // One process per flow on the target, from whichever host; taken
+    // before anything else, so a refused process checks, reads and leaves
+    // nothing, on either side or on its own host.
+    if target_lock.is_none()
+        && let Some(holder) = state::lock_flow(&target, &flow.name).await?
+    {
+        return Err(FlowError::Busy {
+            flow: flow.name.clone(),
+            holder,
+        });
+    }
+    let source = connect(&source_url, "source").await?;
     gate(flow, &source_url, &source, &target, config_path, progress).await?;
     let owner = log_owner(flow, &source).await?;
     state::ensure(&target).await?;
@@ -612,15 +658,6 @@ async fn run_round<W: Watch>(
         flow: flow.name.clone(),
         ..RunReport::default()
     };
-
-    // One process per flow on the target, from whichever host; taken
-    // first, so a refused process leaves nothing behind on its own host.
-    if let Some(holder) = state::lock_flow(&target, &flow.name).await? {
-        return Err(FlowError::Busy {
-            flow: flow.name.clone(),
-            holder,
-        });
-    }
     // One writer per log, across processes, for the whole run.
     let _lock = if locked {
         None
@@ -667,7 +704,6 @@ async fn run_round<W: Watch>(
     let (tx, mut rx) = tokio::sync::watch::channel(Lsn::ZERO);
     let tx = Arc::new(tx);
     let begun = Arc::new(tokio::sync::Notify::new());
-    let captured = observe.as_ref().map(|o| o.metrics.captured.clone());
     let capture_from = CaptureFrom {
         flow,
         index,
@@ -676,7 +712,7 @@ async fn run_round<W: Watch>(
         floor,
         pinned: snapshot_pins(&target, &flow.name).await?,
     };
-    let config = capture_config(capture_from, &tx, &begun, captured.clone())?;
+    let config = capture_config(capture_from, &tx, &begun, observe.clone())?;
     if follow {
         progress(&format!(
             "capture: following slot {} until SIGTERM",
@@ -706,6 +742,7 @@ async fn run_round<W: Watch>(
             }, if follow => {}
             () = tokio::time::sleep(until.unwrap_or_default()), if follow && until.is_some() => {}
             _ = failed_rx.wait_for(|f| *f) => {}
+            () = lock_lost(target_lock) => {}
         }
     };
     let capture = async {
@@ -719,7 +756,7 @@ async fn run_round<W: Watch>(
                     progress: tx,
                     begun: Arc::clone(&begun),
                     floor,
-                    captured,
+                    observe: observe.clone(),
                 };
                 native_capture(flow, &source, &log, native, stop).await
             }
@@ -776,6 +813,11 @@ async fn run_round<W: Watch>(
     let (captured, applied, watched, ()) =
         tokio::join!(capture, apply, watch.watch(&log, applied_rx), gauges);
     let target = applier.client();
+    if target_lock.is_some_and(state::FlowLock::is_lost) {
+        return Err(FlowError::LockLost {
+            flow: flow.name.clone(),
+        });
+    }
     let stats = match captured {
         Ok(stats) => stats,
         Err(FlowError::Capture(
@@ -805,6 +847,19 @@ async fn run_round<W: Watch>(
     Ok(report)
 }
 
+/// Resolves once the held target lock's session has ended; never without
+/// one.
+async fn lock_lost(lock: Option<&state::FlowLock>) {
+    match lock {
+        Some(lock) => {
+            while !lock.is_lost() {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+        None => std::future::pending().await,
+    }
+}
+
 /// What capture of one round reads from.
 struct CaptureFrom<'a> {
     flow: &'a Flow,
@@ -822,7 +877,7 @@ fn capture_config(
     from: CaptureFrom<'_>,
     progress: &Arc<tokio::sync::watch::Sender<Lsn>>,
     begun: &Arc<tokio::sync::Notify>,
-    captured: Option<prometheus::IntCounter>,
+    observe: Option<Observer>,
 ) -> Result<CaptureConfig, FlowError> {
     let CaptureFrom {
         flow,
@@ -855,7 +910,7 @@ fn capture_config(
         floor,
         progress: Some(Arc::clone(progress)),
         begun: Some(Arc::clone(begun)),
-        captured,
+        observe,
     })
 }
 
@@ -1046,7 +1101,7 @@ struct NativeRun<'a> {
     begun: Arc<tokio::sync::Notify>,
     /// The target checkpoint's end LSN ([`crate::native::NativeConfig::floor`]).
     floor: Lsn,
-    captured: Option<prometheus::IntCounter>,
+    observe: Option<Observer>,
 }
 
 async fn native_capture(
@@ -1061,7 +1116,7 @@ async fn native_capture(
         progress,
         begun,
         floor,
-        captured,
+        observe,
     } = run;
     let sql_error = |what: &str, e: tokio_postgres::Error| {
         FlowError::Native(format!(
@@ -1127,7 +1182,7 @@ async fn native_capture(
         progress: Some(progress),
         begun: Some(begun),
         floor,
-        captured,
+        observe,
         // run claimed the log when it opened it.
         owner: None,
     };
@@ -1249,19 +1304,27 @@ async fn gauges(
         );
         // On a standby pg_current_wal_lsn() fails; its replay position is
         // the WAL it has.
-        let retained = source
-            .query_opt(
-                "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END - restart_lsn)::int8 FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&slot];
+        let query = source.query_opt(
+            "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END - restart_lsn)::int8 FROM pg_replication_slots WHERE slot_name = $1",
+            &params,
+        );
+        // A source that stops answering neither holds the round's end nor
+        // piles up reads: one at a time, each bounded.
+        let retained = tokio::select! {
+            read = tokio::time::timeout(TUNING.gauges_every * 5, query) => read,
+            _ = applied.wait_for(|done| *done) => return,
+        };
         match retained {
-            Ok(Some(row)) => metrics
+            Ok(Ok(Some(row))) => metrics
                 .slot_wal
                 .set(row.get::<_, Option<i64>>(0).unwrap_or(0).max(0)),
-            Ok(None) => {}
-            Err(e) => {
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
                 tracing::warn!(flow = %flow.name, error = %e, "could not read the WAL the slot retains")
+            }
+            Err(_) => {
+                tracing::warn!(flow = %flow.name, "the source did not say the WAL the slot retains within {} s", (TUNING.gauges_every * 5).as_secs())
             }
         }
         tokio::select! {

@@ -49,8 +49,10 @@ pub struct NativeConfig {
     /// Told as each frame starts, before it is read whole: the applier
     /// opens its target transaction meanwhile.
     pub begun: Option<Arc<tokio::sync::Notify>>,
-    /// Counts each transaction received whole (`trellara_captured_transactions_total`).
-    pub captured: Option<prometheus::IntCounter>,
+    /// Where the relay counts each transaction once durable
+    /// (`trellara_captured_transactions_total`) and reports the worker
+    /// away or streaming again.
+    pub observe: Option<crate::service::Observer>,
     /// The position a consumer downstream already holds (the applier's
     /// checkpoint end LSN). The worker takes the larger of it and the log's
     /// end as what is safe: with an empty or replaced log, a slot confirmed
@@ -148,12 +150,26 @@ pub async fn serve_on(
             () = &mut shutdown => return Ok(stats),
         };
         match result {
-            Ok(()) => tracing::info!("native capture worker disconnected"),
+            Ok(()) => {
+                tracing::info!("native capture worker disconnected");
+                if let Some(o) = &config.observe {
+                    o.health.failed(
+                        crate::service::FlowState::Retrying,
+                        "capture: the native worker disconnected; waiting for it".into(),
+                    );
+                }
+            }
             // The log refusing writes is ours to report; a worker's bad
             // frame or a dropped connection only ends that connection.
             Err(ConnectionError::Fatal(e)) => return Err(e),
             Err(ConnectionError::Ended(reason)) => {
                 tracing::warn!(%reason, "native capture connection ended");
+                if let Some(o) = &config.observe {
+                    o.health.failed(
+                        crate::service::FlowState::Retrying,
+                        format!("capture: the native worker's connection ended: {reason}"),
+                    );
+                }
             }
         }
     }
@@ -306,6 +322,9 @@ async fn connection(
         .await
         .map_err(ended("send welcome"))?;
     tracing::info!(slot = %hello.slot, system_identifier = hello.system_identifier, pid = ?peer.pid(), durable_end = %resume.ack_lsn, "native capture worker connected");
+    if let Some(o) = &config.observe {
+        o.health.state(crate::service::FlowState::Following);
+    }
     serve_frames(config, log, resume, &mut read, &mut write, stats, &NoCrash).await
 }
 
@@ -465,10 +484,8 @@ where
             }
             if last_chunk {
                 pending.ack = Some(env.end_lsn);
-                if Lsn(env.commit_lsn) > resume.commit_lsn
-                    && let Some(captured) = &config.captured
-                {
-                    captured.inc();
+                if Lsn(env.commit_lsn) > resume.commit_lsn {
+                    pending.transactions += 1;
                 }
             }
         }
@@ -520,6 +537,10 @@ struct Pending {
     records: Vec<(u64, Vec<u8>)>,
     bytes: usize,
     ack: Option<u64>,
+    /// Transactions whose last envelope is in `records`: counted as
+    /// captured once the append that holds them is durable, so a
+    /// reconnect that drops them never counts them twice.
+    transactions: u64,
 }
 
 impl Pending {
@@ -556,6 +577,10 @@ async fn flush<S: crate::log::storage::Storage, W: tokio::io::AsyncWrite + Unpin
         stats.envelopes += pending.records.len() as u64;
         pending.records.clear();
         pending.bytes = 0;
+        if let Some(o) = &config.observe {
+            o.metrics.captured.inc_by(pending.transactions);
+        }
+        pending.transactions = 0;
         crash(hooks, CrashPoint::AppendedNotAcknowledged)?;
     }
     if let Some(end_lsn) = pending.ack.take() {

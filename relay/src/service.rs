@@ -51,6 +51,28 @@ pub struct FlowHealth {
     pub lag_seconds: Option<f64>,
     /// The last error, one line per cause; cleared when a round streams.
     pub last_error: Option<String>,
+    /// When the applier last reported its lag: a report this old adds its
+    /// age to the lag, so an applier stuck on its target shows as lagging.
+    #[serde(skip)]
+    reported: Option<std::time::Instant>,
+}
+
+/// An applier reports at least every idle tick while it is free; a report
+/// older than this means it is busy or stuck, and its age counts as lag.
+const REPORT_GRACE: Duration = Duration::from_secs(5);
+
+impl FlowHealth {
+    /// The lag as of now: the last report, plus its age once that is past
+    /// [`REPORT_GRACE`] while following.
+    fn lag_at(&self, now: std::time::Instant) -> Option<f64> {
+        let lag = self.lag_seconds?;
+        match self.reported.map(|at| now.saturating_duration_since(at)) {
+            Some(age) if self.state == FlowState::Following && age > REPORT_GRACE => {
+                Some(lag + age.as_secs_f64())
+            }
+            _ => Some(lag),
+        }
+    }
 }
 
 /// What a process's flows report and its endpoints read.
@@ -89,6 +111,7 @@ impl Health {
                 state: FlowState::Starting,
                 lag_seconds: None,
                 last_error: None,
+                reported: None,
             },
         );
         FlowReporter {
@@ -110,13 +133,28 @@ impl Health {
             .store(max_lag.as_secs(), std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Every flow as of now (lag aged, see [`FlowHealth::reported`]).
     pub fn snapshot(&self) -> Vec<FlowHealth> {
-        self.lock().values().cloned().collect()
+        self.snapshot_at(std::time::Instant::now())
+    }
+
+    fn snapshot_at(&self, now: std::time::Instant) -> Vec<FlowHealth> {
+        self.lock()
+            .values()
+            .map(|f| FlowHealth {
+                lag_seconds: f.lag_at(now),
+                ..f.clone()
+            })
+            .collect()
     }
 
     /// Why the process is not ready; empty when it is.
     pub fn not_ready(&self) -> Vec<String> {
-        let flows = self.snapshot();
+        self.not_ready_at(std::time::Instant::now())
+    }
+
+    fn not_ready_at(&self, now: std::time::Instant) -> Vec<String> {
+        let flows = self.snapshot_at(now);
         if flows.is_empty() {
             return vec!["no flow is running".into()];
         }
@@ -166,7 +204,10 @@ impl FlowReporter {
     }
 
     pub fn lag(&self, seconds: f64) {
-        self.update(|f| f.lag_seconds = Some(seconds));
+        self.update(|f| {
+            f.lag_seconds = Some(seconds);
+            f.reported = Some(std::time::Instant::now());
+        });
     }
 
     pub fn failed(&self, state: FlowState, error: String) {
@@ -344,5 +385,23 @@ mod tests {
         flow.state(FlowState::Following);
         assert!(health.not_ready().is_empty());
         assert!(health.snapshot()[0].last_error.is_none());
+    }
+
+    #[test]
+    fn an_applier_that_stops_reporting_ages_into_lag() {
+        let health = Health::new("apply", Duration::from_secs(60));
+        let flow = health.flow("shop", "1:db", "shop");
+        flow.state(FlowState::Following);
+        flow.lag(0.0);
+        let now = std::time::Instant::now();
+        assert!(health.not_ready_at(now + REPORT_GRACE).is_empty());
+        // Stuck on its target for two minutes: the age is the lag.
+        let later = now + Duration::from_secs(120);
+        let lag = health.snapshot_at(later)[0].lag_seconds.unwrap_or_default();
+        assert!(lag >= 120.0, "{lag}");
+        assert!(health.not_ready_at(later)[0].contains("over service.ready_max_lag_seconds"));
+        // A flow retrying is not ready for that reason, not for its age.
+        flow.failed(FlowState::Retrying, "capture: connection refused".into());
+        assert!(health.not_ready_at(later)[0].contains("retrying: capture: connection refused"));
     }
 }

@@ -223,6 +223,41 @@ pub async fn lock_flow(
     )))
 }
 
+/// A target session of its own that holds a flow's lock for as long as
+/// it lives: `run --follow` keeps it across its retry rounds, so another
+/// process cannot take the flow while this one waits to follow again.
+#[derive(Debug)]
+pub struct FlowLock {
+    client: Client,
+}
+
+impl FlowLock {
+    /// Takes the lock on `client`, a session used for nothing else. Err
+    /// with who holds it when another session does.
+    pub async fn take(
+        client: Client,
+        flow: &str,
+    ) -> Result<Result<Self, String>, tokio_postgres::Error> {
+        // A session idle for hours is the point: no idle timeout ends it.
+        client
+            .batch_execute(
+                "SELECT set_config('idle_session_timeout', '0', false) \
+                 WHERE current_setting('idle_session_timeout', true) IS NOT NULL",
+            )
+            .await?;
+        Ok(match lock_flow(&client, flow).await? {
+            None => Ok(FlowLock { client }),
+            Some(holder) => Err(holder),
+        })
+    }
+
+    /// The session ended (the target restarted, or someone terminated
+    /// it): the lock is gone with it.
+    pub fn is_lost(&self) -> bool {
+        self.client.is_closed()
+    }
+}
+
 /// Forgets a recorded stop: the flow ran again and ended well.
 pub async fn clear_stop(client: &Client, flow: &str) -> Result<(), tokio_postgres::Error> {
     client

@@ -1639,13 +1639,14 @@ fn second_process(major: Major) {
         tempfile::tempdir().expect("tempdir"),
         tempfile::tempdir().expect("tempdir"),
     );
-    for d in [first.path(), second.path()] {
+    // The second host's sessions are told apart by their application_name.
+    for (d, app) in [(first.path(), "first"), (second.path(), "second")] {
         write_flow(
             d,
             "trellara.yml",
             "busy",
             &c.connection_string("src"),
-            &c.connection_string("tgt"),
+            &format!("{}?application_name={app}", c.connection_string("tgt")),
             &["public.orders"],
         );
     }
@@ -1690,6 +1691,39 @@ fn second_process(major: Major) {
     assert!(
         !second.path().join(".trellara").exists(),
         "the refused run left nothing on its host"
+    );
+    // The target keeps dropping the first process's working sessions (all
+    // but one idle after taking the lock): its rounds fail and it waits to
+    // retry, still holding the flow on the target.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let terminator = {
+        let stop = std::sync::Arc::clone(&stop);
+        let mut killer = c.try_connect("tgt").expect("connect");
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                killer
+                    .execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                         WHERE datname = 'tgt' AND application_name = 'first'
+                           AND query NOT LIKE '%pg_try_advisory_lock%'",
+                        &[],
+                    )
+                    .expect("terminate the first process's target sessions");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let refused = trellara(
+        second.path(),
+        &["run", "--config", "trellara.yml", "--local"],
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    terminator.join().expect("terminator");
+    let text = exits(&refused, 3, "a second process while the first retries");
+    assert!(
+        text.contains("flow busy is already running against this target"),
+        "{text}"
     );
     // Nor may the other host tear the flow down under it.
     let text = exits(

@@ -223,7 +223,7 @@ fn tls_and_scram_on_a_real_server() {
         floor: Default::default(),
         progress: None,
         begun: None,
-        captured: None,
+        observe: None,
     };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let handle = std::thread::spawn(move || {

@@ -94,7 +94,7 @@ fn config(cluster: &Cluster, dir: &Path) -> CaptureConfig {
         floor: Default::default(),
         progress: None,
         begun: None,
-        captured: None,
+        observe: None,
     }
 }
 

@@ -454,6 +454,7 @@ async fn serve_endpoints(
     config: &Config,
     config_path: &str,
     flow: &Flow,
+    hangup: tokio::signal::unix::Signal,
     progress: &mut dyn FnMut(&str),
 ) -> anyhow::Result<crate::service::Observer> {
     use crate::service::{Endpoints, Health, Observer};
@@ -473,8 +474,6 @@ async fn serve_endpoints(
         endpoints.local_addr()
     ));
     tokio::spawn(endpoints.serve());
-    let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        .context("listen for SIGHUP")?;
     tokio::spawn(reload_on_hangup(
         hangup,
         config_path.to_owned(),
@@ -575,9 +574,20 @@ fn changed_fields(running: &Config, loaded: &Config, new_flow: &Flow, flow: &str
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let rt = runtime()?;
+    // First of all, so a SIGHUP sent while the config loads or a database
+    // connects is caught (and read after), not the default end.
+    let mut hangup = if args.follow {
+        let _runtime = rt.enter();
+        Some(
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                .context("listen for SIGHUP")?,
+        )
+    } else {
+        None
+    };
     let config = config::load(&args.config)?;
     let config_path = args.config.display().to_string();
-    let rt = runtime()?;
     let text = args.format == Format::Text;
     let mut reports = Vec::new();
     let mut failed: Vec<anyhow::Error> = Vec::new();
@@ -597,8 +607,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         };
         // A flow that stops (a quarantined transaction, an unreachable
         // database) does not hold the others back.
-        let round = if args.follow {
-            let observe = rt.block_on(serve_endpoints(&config, &config_path, f, &mut progress))?;
+        let round = if let Some(hangup) = hangup.take() {
+            let observe = rt.block_on(serve_endpoints(
+                &config,
+                &config_path,
+                f,
+                hangup,
+                &mut progress,
+            ))?;
             rt.block_on(flow::follow(
                 f,
                 index,

@@ -126,7 +126,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             max_envelope_bytes: 256 << 20,
             progress: None,
             begun: None,
-            captured: None,
+            observe: None,
             floor: trellara_common::Lsn::ZERO,
             owner: Some(owner),
         };
@@ -142,7 +142,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             max_envelope_bytes: 256 << 20,
             progress: None,
             begun: None,
-            captured: None,
+            observe: None,
             floor: trellara_common::Lsn::ZERO,
             owner: None,
         };
@@ -180,7 +180,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         floor: Default::default(),
         progress: None,
         begun: None,
-        captured: None,
+        observe: None,
     };
     let stats = runtime.block_on(capture::run(config, crate::flow::until_signal()))?;
     errln!(

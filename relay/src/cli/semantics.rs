@@ -80,6 +80,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
             shutdown: Some(flow::shutdown_signal()),
             locked: false,
             observe: None,
+            target_lock: None,
         };
         // A flow that stops (say, a quarantined transaction) ends the
         // observation; what was observed until then is still reported.

@@ -872,7 +872,7 @@ fn config() -> CaptureConfig {
         floor: Lsn::ZERO,
         progress: None,
         begun: None,
-        captured: None,
+        observe: None,
     }
 }
 
@@ -966,7 +966,18 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
     let drop_after = 5 + rng.below(40);
     let lag = 1 + rng.below(3) as usize;
     let violations = Rc::new(RefCell::new(Vec::new()));
-    let config = config();
+    // One counter across sessions, as one process's metric lives across
+    // its reconnects.
+    let observer = crate::service::Observer {
+        metrics: crate::metrics::Metrics::new().flow("sim", "sim"),
+        health: crate::service::Health::new("relay", Duration::from_secs(60))
+            .flow("sim", "sim", "sim"),
+    };
+    let captured = observer.metrics.captured.clone();
+    let config = CaptureConfig {
+        observe: Some(observer),
+        ..config()
+    };
     let mut refusals = 0;
     loop {
         history.sessions += 1;
@@ -1079,6 +1090,15 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
     let (log, _) = Log::open(storage.clone(), "/log", sim_log_config())
         .map_err(|e| format!("seed {seed}: reopen the log: {e}"))?;
     let got = logged(&log, seed)?;
+    // A transaction resent after a crash or a reconnect is counted once:
+    // the counter moves only when its write is durable.
+    if captured.get() > got.len() as u64 {
+        return Err(format!(
+            "seed {seed}: {} transactions counted as captured, the log holds {} ({fault:?})",
+            captured.get(),
+            got.len()
+        ));
+    }
     let expected: Vec<&Committed> = match src.refused {
         Some(txn) => {
             let limit = src.ends[txn];

@@ -115,6 +115,14 @@ pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, Stri
     let txns = source(&mut rng);
     let storage = SimStorage::new(seed);
     let quarantine = std::env::temp_dir().join(format!("trellara-sim-{seed}"));
+    // One counter across rounds, as one process's metric lives across the
+    // worker's reconnects.
+    let observer = crate::service::Observer {
+        metrics: crate::metrics::Metrics::new().flow("sim", "sim"),
+        health: crate::service::Health::new("relay", std::time::Duration::from_secs(60))
+            .flow("sim", "sim", "sim"),
+    };
+    let captured = observer.metrics.captured.clone();
     let config = NativeConfig {
         socket_path: quarantine.join("unused.sock"),
         log_dir: quarantine,
@@ -122,7 +130,7 @@ pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, Stri
         max_envelope_bytes: 1 << 20,
         progress: None,
         begun: None,
-        captured: None,
+        observe: Some(observer),
         floor: trellara_common::Lsn::ZERO,
         owner: None,
     };
@@ -283,6 +291,15 @@ pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, Stri
     if confirmed != last_end {
         return Err(format!(
             "seed {seed}: the source ended confirmed at {confirmed:#x}, not {last_end:#x}"
+        ));
+    }
+    // A transaction resent after a crash is counted once: the counter
+    // moves only when its append is durable.
+    if captured.get() > txns.len() as u64 {
+        return Err(format!(
+            "seed {seed}: {} transactions counted as captured, the source committed {} ({point:?}, {mode:?})",
+            captured.get(),
+            txns.len()
         ));
     }
     Ok(history)
