@@ -42,6 +42,11 @@ pub struct ServiceConfig {
     /// than this at its commit on the target.
     #[serde(default = "default_ready_lag")]
     pub ready_max_lag_seconds: u64,
+    /// What the long-running process logs to stderr: a level (`info`) or
+    /// `RUST_LOG` directives (`warn,trellara_relay=debug`). RUST_LOG, when
+    /// set, wins; unset, `-v` decides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_level: Option<String>,
 }
 
 impl ServiceConfig {
@@ -56,6 +61,7 @@ impl Default for ServiceConfig {
             relay_listen: default_relay_listen(),
             apply_listen: default_apply_listen(),
             ready_max_lag_seconds: default_ready_lag(),
+            log_level: None,
         }
     }
 }
@@ -581,6 +587,15 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
             "use a bound in seconds, e.g. 60",
         );
     }
+    if let Some(level) = &config.service.log_level
+        && let Err(e) = tracing_subscriber::EnvFilter::builder().parse(level)
+    {
+        issue(
+            "service.log_level".into(),
+            format!("{level:?} is not a log filter: {e}"),
+            "use error, warn, info, debug or trace, or RUST_LOG directives such as warn,trellara_relay=debug",
+        );
+    }
     if config.flows.is_empty() {
         issue(
             "flows".into(),
@@ -891,6 +906,24 @@ flows:
             assert!(
                 issues.iter().any(|i| i.problem.contains(problem)),
                 "{tables}: {issues:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_log_level_that_does_not_parse_is_refused_by_name() {
+        for (level, valid) in [
+            ("info", true),
+            ("warn,trellara_relay=debug", true),
+            ("trellara_relay=loud", false),
+        ] {
+            let config =
+                parse(&format!("service:\n  log_level: {level:?}\n{GOOD}")).expect("parses");
+            let issues = validate(&config);
+            assert_eq!(
+                !issues.iter().any(|i| i.field == "service.log_level"),
+                valid,
+                "{level}: {issues:?}"
             );
         }
     }

@@ -205,7 +205,7 @@ pub async fn apply_stage(
         }
         if finished || last_retention.elapsed() >= tuning.retention_every {
             last_retention = std::time::Instant::now();
-            enforce_retention(log);
+            enforce_retention(log, observe);
         }
         if finished {
             delivery.persist(applier, log, false).await?;
@@ -234,8 +234,15 @@ pub async fn apply_stage(
 
 /// Deletes segments every consumer has passed, within the flow's size
 /// limit; what a lagging consumer holds is reported, never deleted.
-fn enforce_retention(log: &Log<FsStorage>) {
-    let result = crate::capture::release_source_ack(log).and_then(|()| log.enforce_retention());
+/// A reloaded limit (see [`crate::service::LiveSettings`]) applies here.
+fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>) {
+    let result = crate::capture::release_source_ack(log).and_then(|()| match observe {
+        Some(o) => log.enforce_retention_with(&crate::log::RetentionPolicy {
+            max_total_bytes: o.live.retention(),
+            ..crate::log::RetentionPolicy::keep_all()
+        }),
+        None => log.enforce_retention(),
+    });
     match result {
         Ok(report) => {
             for p in &report.pressure {

@@ -218,11 +218,45 @@ impl FlowReporter {
     }
 }
 
-/// What a flow's run reports into: its metrics and its health entry.
+/// What a flow's run reports into (its metrics and its health entry),
+/// and the settings a SIGHUP may change under it.
 #[derive(Debug, Clone)]
 pub struct Observer {
     pub metrics: crate::metrics::FlowMetrics,
     pub health: FlowReporter,
+    pub live: Arc<LiveSettings>,
+}
+
+/// The flow's settings a reload applies while it runs; the run reads each
+/// where it acts on it, so the next use sees the new value.
+#[derive(Debug)]
+pub struct LiveSettings {
+    /// The log's size limit in bytes (`transport.retention_mib`);
+    /// `u64::MAX`: none.
+    retention_bytes: std::sync::atomic::AtomicU64,
+}
+
+impl LiveSettings {
+    pub fn new(retention_bytes: Option<u64>) -> Arc<Self> {
+        Arc::new(LiveSettings {
+            retention_bytes: std::sync::atomic::AtomicU64::new(retention_bytes.unwrap_or(u64::MAX)),
+        })
+    }
+
+    pub fn set_retention(&self, bytes: Option<u64>) {
+        self.retention_bytes.store(
+            bytes.unwrap_or(u64::MAX),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    pub fn retention(&self) -> Option<u64> {
+        Some(
+            self.retention_bytes
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+        .filter(|&b| b != u64::MAX)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

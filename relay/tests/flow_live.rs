@@ -2662,9 +2662,10 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
     let config = d.join("trellara.yml");
     let good = std::fs::read_to_string(&config).expect("config");
     std::fs::write(&config, good.replace("tables:", "tabels:")).expect("break config");
+    let pid = child.id() as i32;
     let hangup = || {
         nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::unistd::Pid::from_raw(pid),
             nix::sys::signal::Signal::SIGHUP,
         )
         .expect("sighup")
@@ -2698,11 +2699,62 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
         child.try_wait().expect("poll").is_none(),
         "SIGHUP never stops the process"
     );
+    // The endpoints' address, the log level and the retention limit: all
+    // three live, none named as waiting for a restart.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let moved = format!("127.0.0.1:{port}");
+    let mut live = String::new();
+    for line in good.lines() {
+        if line.trim_start().starts_with("retention_mib:") {
+            continue;
+        }
+        live.push_str(&line.replace(
+            "relay_listen: 127.0.0.1:0",
+            &format!("relay_listen: {moved}\n  ready_max_lag_seconds: 7\n  log_level: debug"),
+        ));
+        live.push('\n');
+        if let Some(rest) = line.strip_suffix(line.trim_start())
+            && line.trim_start().starts_with("log_dir:")
+        {
+            live.push_str(&format!("{rest}retention_mib: 512\n"));
+        }
+    }
+    assert!(live.contains("retention_mib: 512"), "{live}");
+    std::fs::write(&config, &live).expect("config");
+    let debug_before = stderr.lock().unwrap().matches(" DEBUG ").count();
+    hangup();
+    wait_until("the new address, level and retention taken", &|| {
+        let text = stderr.lock().unwrap();
+        text.contains(&format!(
+            "service.relay_listen is now {moved} (applied live)"
+        )) && text.contains("service.log_level is now debug (applied live)")
+            && text.contains("flows[shop].transport.retention_mib is now 512 (applied live")
+    });
+    assert!(
+        !stderr
+            .lock()
+            .unwrap()
+            .contains("applies when the flow starts again"),
+        "{}",
+        stderr.lock().unwrap()
+    );
+    assert_eq!(http_get(&moved, "/livez").0, 200);
+    assert!(
+        std::net::TcpStream::connect(&addr).is_err(),
+        "the old address no longer accepts"
+    );
     workload(&p.source, 200, 3);
     wait_until("applied after the reloads", &|| {
         p.target.psql_value(orders) == "20"
     });
-    assert_eq!(http_get(&addr, "/livez").0, 200);
+    assert!(
+        stderr.lock().unwrap().matches(" DEBUG ").count() > debug_before,
+        "debug lines after the reload"
+    );
+    assert_eq!(http_get(&moved, "/livez").0, 200);
     let status = terminate(&mut child);
     assert!(
         status.success(),

@@ -457,7 +457,7 @@ async fn serve_endpoints(
     hangup: tokio::signal::unix::Signal,
     progress: &mut dyn FnMut(&str),
 ) -> anyhow::Result<crate::service::Observer> {
-    use crate::service::{Endpoints, Health, Observer};
+    use crate::service::{Endpoints, Health, LiveSettings, Observer};
     let metrics = crate::metrics::Metrics::new();
     let health = Health::new(
         crate::metrics::RELAY,
@@ -466,35 +466,58 @@ async fn serve_endpoints(
     let observe = Observer {
         metrics: metrics.flow(&flow.source_id(), &flow.name),
         health: health.flow(&flow.name, &flow.source_id(), &flow.name),
+        live: LiveSettings::new(flow.retention_bytes()),
     };
-    let endpoints =
-        Endpoints::bind(config.service.relay_listen, metrics, Arc::clone(&health)).await?;
+    if let Some(level) = &config.service.log_level
+        && let Err(why) = super::set_log_level(level)
+    {
+        progress(&format!("service: service.log_level not applied: {why}"));
+    }
+    let addr = config.service.relay_listen;
+    let endpoints = Endpoints::bind(addr, metrics.clone(), Arc::clone(&health)).await?;
+    let bound = endpoints.local_addr();
     progress(&format!(
-        "service: serving http://{}/livez /readyz /healthz /metrics",
-        endpoints.local_addr()
+        "service: serving http://{bound}/livez /readyz /healthz /metrics"
     ));
-    tokio::spawn(endpoints.serve());
+    let service = Service {
+        metrics,
+        health,
+        live: Arc::clone(&observe.live),
+        listen: addr,
+        serving: tokio::spawn(endpoints.serve()),
+    };
     tokio::spawn(reload_on_hangup(
         hangup,
         config_path.to_owned(),
         config.clone(),
         flow.name.clone(),
-        health,
+        service,
     ));
     Ok(observe)
 }
 
+/// What a reload may change in a running `run --follow`.
+struct Service {
+    metrics: crate::metrics::Metrics,
+    health: Arc<crate::service::Health>,
+    live: Arc<crate::service::LiveSettings>,
+    /// The configured address (port 0 stays 0: a reload to the same
+    /// config does not move the endpoints).
+    listen: std::net::SocketAddr,
+    serving: tokio::task::JoinHandle<()>,
+}
+
 /// SIGHUP re-reads the config. One that fails to load or validate, or
 /// that no longer has this flow, is refused and the running one stays;
-/// a SIGHUP never stops the process. Of a valid one,
-/// `service.ready_max_lag_seconds` applies at once; every other changed
-/// field is named as applying at the next start (docs/CONFIG.md).
+/// a SIGHUP never stops the process. Of a valid one, the fields of
+/// docs/CONFIG.md's reload table apply at once; every other changed field
+/// is named as applying at the next start.
 async fn reload_on_hangup(
     mut hangup: tokio::signal::unix::Signal,
     config_path: String,
     mut running: Config,
     flow: String,
-    health: Arc<crate::service::Health>,
+    mut service: Service,
 ) {
     while hangup.recv().await.is_some() {
         let prefix = format!("[{flow}] reload");
@@ -514,14 +537,10 @@ async fn reload_on_hangup(
             );
             continue;
         };
-        let changed = changed_fields(&running, &loaded, new_flow, &flow);
-        if loaded.service.ready_max_lag_seconds != running.service.ready_max_lag_seconds {
-            health.set_max_lag(Duration::from_secs(loaded.service.ready_max_lag_seconds));
-            errln!(
-                "{prefix}: service.ready_max_lag_seconds is now {} (applied live)",
-                loaded.service.ready_max_lag_seconds
-            );
+        for line in apply_live(&mut running, &loaded, new_flow, &mut service).await {
+            errln!("{prefix}: {line}");
         }
+        let changed = changed_fields(&running, &loaded, new_flow, &flow);
         for field in &changed {
             errln!(
                 "{prefix}: {field} changed; it applies when the flow starts again (live reload of it is not built)"
@@ -530,14 +549,92 @@ async fn reload_on_hangup(
         if changed.is_empty() {
             errln!("{prefix}: config valid; nothing else changed");
         }
-        // Only what applied live is now running; the rest is compared
-        // with what started at the next SIGHUP too.
-        running.service.ready_max_lag_seconds = loaded.service.ready_max_lag_seconds;
     }
 }
 
-/// The fields of the flow and the service section that differ, by path;
-/// `service.ready_max_lag_seconds` is left out (it reloads live).
+/// Applies what reloads live, and makes it part of `running`, so only
+/// the rest is compared as waiting for a restart; one line per field.
+async fn apply_live(
+    running: &mut Config,
+    loaded: &Config,
+    new_flow: &Flow,
+    service: &mut Service,
+) -> Vec<String> {
+    let mut lines = Vec::new();
+    let (old, new) = (running.service.clone(), &loaded.service);
+    if new.ready_max_lag_seconds != old.ready_max_lag_seconds {
+        service
+            .health
+            .set_max_lag(Duration::from_secs(new.ready_max_lag_seconds));
+        lines.push(format!(
+            "service.ready_max_lag_seconds is now {} (applied live)",
+            new.ready_max_lag_seconds
+        ));
+        running.service.ready_max_lag_seconds = new.ready_max_lag_seconds;
+    }
+    if new.log_level != old.log_level {
+        // Unset: what -v or RUST_LOG said at the start.
+        let level = new.log_level.clone().unwrap_or_else(|| "warn".into());
+        match super::set_log_level(&level) {
+            Ok(()) => {
+                lines.push(format!("service.log_level is now {level} (applied live)"));
+                running.service.log_level.clone_from(&new.log_level);
+            }
+            Err(why) => lines.push(format!("service.log_level not applied: {why}")),
+        }
+    }
+    if new.relay_listen != service.listen {
+        // The new address first: if it cannot be bound, the old one serves on.
+        match crate::service::Endpoints::bind(
+            new.relay_listen,
+            service.metrics.clone(),
+            Arc::clone(&service.health),
+        )
+        .await
+        {
+            Ok(endpoints) => {
+                let bound = endpoints.local_addr();
+                service.serving.abort();
+                service.serving = tokio::spawn(endpoints.serve());
+                service.listen = new.relay_listen;
+                running.service.relay_listen = new.relay_listen;
+                lines.push(format!(
+                    "service.relay_listen is now {} (applied live): serving http://{bound}/livez /readyz /healthz /metrics",
+                    new.relay_listen
+                ));
+            }
+            Err(e) => lines.push(format!(
+                "service.relay_listen not applied, still serving on {}: {}",
+                service.listen,
+                crate::errors::chain_of(&e)
+            )),
+        }
+    }
+    let retention = new_flow.retention_bytes();
+    if let Some(flow) = running.flows.iter_mut().find(|f| f.name == new_flow.name)
+        && flow.retention_bytes() != retention
+        && let Some(mib) = retention_mib(&mut flow.transport)
+        && let Some(new_mib) = retention.map(|b| b >> 20)
+    {
+        service.live.set_retention(retention);
+        *mib = new_mib;
+        lines.push(format!(
+            "flows[{}].transport.retention_mib is now {new_mib} (applied live, at the next retention pass)",
+            new_flow.name
+        ));
+    }
+    lines
+}
+
+fn retention_mib(transport: &mut config::Transport) -> Option<&mut u64> {
+    match transport {
+        config::Transport::Local { retention_mib, .. }
+        | config::Transport::Kafka { retention_mib, .. } => Some(retention_mib),
+    }
+}
+
+/// The fields of the flow and the service section that differ, by path
+/// (what [`apply_live`] applied is already in `running`).
 fn changed_fields(running: &Config, loaded: &Config, new_flow: &Flow, flow: &str) -> Vec<String> {
     let as_map = |v: serde_json::Value| match v {
         serde_json::Value::Object(map) => map,
@@ -559,14 +656,11 @@ fn changed_fields(running: &Config, loaded: &Config, new_flow: &Flow, flow: &str
         serde_json::to_value(old_flow).unwrap_or_default(),
         serde_json::to_value(new_flow).unwrap_or_default(),
     );
-    let mut old_service = serde_json::to_value(&running.service).unwrap_or_default();
-    let mut new_service = serde_json::to_value(&loaded.service).unwrap_or_default();
-    for v in [&mut old_service, &mut new_service] {
-        if let serde_json::Value::Object(map) = v {
-            map.remove("ready_max_lag_seconds");
-        }
-    }
-    compare("service.", old_service, new_service);
+    compare(
+        "service.",
+        serde_json::to_value(&running.service).unwrap_or_default(),
+        serde_json::to_value(&loaded.service).unwrap_or_default(),
+    );
     if running.environment != loaded.environment {
         changed.push("environment".into());
     }

@@ -181,7 +181,15 @@ pub fn exit_status(err: &anyhow::Error, otherwise: u8) -> u8 {
 /// Refused by preflight's checks (docs/CLI.md).
 pub const EXIT_BLOCKED: u8 = 3;
 
+/// The installed log filter, replaceable while the process runs
+/// (`service.log_level` on SIGHUP).
+static LOG_FILTER: std::sync::OnceLock<
+    tracing_subscriber::reload::Handle<tracing_subscriber::EnvFilter, tracing_subscriber::Registry>,
+> = std::sync::OnceLock::new();
+
 pub fn init_tracing(verbose: u8) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let default = match verbose {
         0 => "warn",
         1 => "info",
@@ -190,14 +198,34 @@ pub fn init_tracing(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
     // Colour codes only for a person at a terminal, and never under NO_COLOR.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi)
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(ansi),
+        )
         .init();
+    let _ = LOG_FILTER.set(handle);
+}
+
+/// Logs at `service.log_level` from now on. RUST_LOG, when set, is the
+/// operator's word for this process and wins: Err says so.
+pub(crate) fn set_log_level(level: &str) -> Result<(), String> {
+    if std::env::var_os("RUST_LOG").is_some_and(|v| !v.is_empty()) {
+        return Err("RUST_LOG is set for this process and wins over service.log_level".into());
+    }
+    let filter = tracing_subscriber::EnvFilter::builder()
+        .parse(level)
+        .map_err(|e| format!("{level:?} is not a log filter: {e}"))?;
+    let handle = LOG_FILTER
+        .get()
+        .ok_or_else(|| "no log filter is installed".to_owned())?;
+    handle.reload(filter).map_err(|e| e.to_string())
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {

@@ -686,6 +686,15 @@ impl<S: Storage> Log<S> {
     /// Applies [`LogConfig::retention`]: deletes the sealed segments it allows
     /// and every cursor has passed; reports consumers holding the rest.
     pub fn enforce_retention(&self) -> Result<RetentionReport, Error> {
+        self.enforce_retention_with(&self.shared.config.retention)
+    }
+
+    /// [`Log::enforce_retention`] with another policy: one a reload changed
+    /// since the log was opened.
+    pub fn enforce_retention_with(
+        &self,
+        policy: &RetentionPolicy,
+    ) -> Result<RetentionReport, Error> {
         let shared = &self.shared;
         // Held throughout, so no cursor can move back into a segment while
         // it is being deleted.
@@ -704,7 +713,7 @@ impl<S: Storage> Log<S> {
             .collect();
         let total_bytes = snapshot.iter().map(|s| s.len()).sum();
         let plan = retention::plan(
-            &shared.config.retention,
+            policy,
             &sealed,
             total_bytes,
             snapshot.len(),

@@ -972,6 +972,7 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
         metrics: crate::metrics::Metrics::new().flow("sim", "sim"),
         health: crate::service::Health::new("relay", Duration::from_secs(60))
             .flow("sim", "sim", "sim"),
+        live: crate::service::LiveSettings::new(None),
     };
     let captured = observer.metrics.captured.clone();
     let config = CaptureConfig {

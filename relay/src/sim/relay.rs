@@ -121,6 +121,7 @@ pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, Stri
         metrics: crate::metrics::Metrics::new().flow("sim", "sim"),
         health: crate::service::Health::new("relay", std::time::Duration::from_secs(60))
             .flow("sim", "sim", "sim"),
+        live: crate::service::LiveSettings::new(None),
     };
     let captured = observer.metrics.captured.clone();
     let config = NativeConfig {
