@@ -145,8 +145,9 @@ fn redact_keywords(text: &str) -> String {
     let mut copied = 0;
     let mut i = 0;
     while i < bytes.len() {
-        let starts_word =
-            i == 0 || matches!(bytes[i - 1], b'?' | b'&') || bytes[i - 1].is_ascii_whitespace();
+        // Any non-word byte before the keyword: a space, `?`, `&`, or the
+        // quote of a whole quoted connection string.
+        let starts_word = i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_');
         let keyword = SECRET_KEYWORDS
             .iter()
             .find(|k| starts_word && bytes[i..].starts_with(k.as_bytes()));
@@ -175,12 +176,15 @@ fn redact_keywords(text: &str) -> String {
             }
             j = (j + 1).min(bytes.len());
         } else {
+            // libpq reads a backslash-escaped byte as itself in an unquoted
+            // value too, so an escaped space does not end it.
             while j < bytes.len()
                 && !bytes[j].is_ascii_whitespace()
                 && !(in_query && matches!(bytes[j], b'&' | b'#'))
             {
-                j += 1;
+                j += if bytes[j] == b'\\' && !in_query { 2 } else { 1 };
             }
+            j = j.min(bytes.len());
         }
         out.push_str(&text[copied..value_start]);
         out.push_str("<redacted>");
@@ -232,6 +236,9 @@ mod tests {
                 "postgresql://u@h/db?sslpassword=k&sslmode=require",
                 "postgresql://u@h/db?sslpassword=<redacted>&sslmode=require",
             ),
+            ("password=ab\\ cd user=u", "password=<redacted> user=u"),
+            ("'password=s3cret host=h'", "'password=<redacted> host=h'"),
+            ("(password=x)", "(password=<redacted>"),
             // Not a keyword of its own: left alone.
             ("mypassword=x", "mypassword=x"),
             ("the password is short", "the password is short"),

@@ -484,17 +484,41 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
     assembler: &mut Assembler,
     resume: Resume,
     stats: &mut CaptureStats,
-    mut shutdown: std::pin::Pin<
-        &mut futures_util::future::Fuse<impl std::future::Future<Output = ()>>,
-    >,
+    shutdown: std::pin::Pin<&mut futures_util::future::Fuse<impl std::future::Future<Output = ()>>>,
     hooks: &dyn CrashHooks,
 ) -> Result<bool, CaptureError> {
-    let mut in_stream_block = false;
-    let mut pins_stored = pinned(config, log)?.len();
     let mut batch = Batch {
         captured: config.observe.as_ref().map(|o| o.metrics.captured.clone()),
         ..Batch::default()
     };
+    let result = stream_batches(
+        config, log, stream, assembler, resume, stats, shutdown, hooks, &mut batch,
+    )
+    .await;
+    if result.as_ref().is_err_and(CaptureError::is_transient) {
+        batch.settle(log).await;
+    }
+    result
+}
+
+/// [`stream_changes`] with the batch kept outside, so what it wrote is
+/// still known once a lost session ends it.
+#[allow(clippy::too_many_arguments)] // stream_changes' own, plus the batch
+async fn stream_batches<S: Storage, R: SourceStream>(
+    config: &CaptureConfig,
+    log: &Log<S>,
+    stream: &mut R,
+    assembler: &mut Assembler,
+    resume: Resume,
+    stats: &mut CaptureStats,
+    mut shutdown: std::pin::Pin<
+        &mut futures_util::future::Fuse<impl std::future::Future<Output = ()>>,
+    >,
+    hooks: &dyn CrashHooks,
+    batch: &mut Batch,
+) -> Result<bool, CaptureError> {
+    let mut in_stream_block = false;
+    let mut pins_stored = pinned(config, log)?.len();
     // The fsync in flight: the written end it covers, and its wait.
     type Syncing<'a> = (
         u64,
@@ -601,7 +625,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
             let mut state = Session {
                 assembler,
                 in_stream_block: &mut in_stream_block,
-                batch: &mut batch,
+                batch: &mut *batch,
                 resume,
                 stats,
             };
@@ -765,6 +789,22 @@ impl Batch {
             stream.set_durable(ack);
         }
         Ok(())
+    }
+
+    /// A lost session ended with writes not known durable: an fsync in
+    /// flight may make them so after it, and the next session then skips
+    /// them as duplicates. So they are counted here once their sync
+    /// returns; nothing is acknowledged, the stream is gone.
+    async fn settle<S: Storage>(&mut self, log: &Log<S>) {
+        if let Some(&(end, _, _)) = self.written.back()
+            && log.sync_through(end).await.is_ok()
+        {
+            for (_, _, transactions) in self.written.drain(..) {
+                if let Some(captured) = &self.captured {
+                    captured.inc_by(transactions);
+                }
+            }
+        }
     }
 
     /// An idle position waits, and the last advance is `every` ago.
@@ -997,6 +1037,41 @@ mod tests {
             (resume.commit_lsn, resume.ack_lsn),
             (Lsn(0x2000), Lsn(0x2010))
         );
+    }
+
+    /// A session lost while its last write's fsync runs: the next session
+    /// skips those transactions as duplicates (they turn durable), so they
+    /// are counted as the session ends, once, and nothing is acknowledged.
+    #[tokio::test]
+    async fn a_lost_session_counts_what_its_last_fsync_makes_durable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("open");
+        let captured = prometheus::IntCounter::new("c", "c").expect("counter");
+        let mut batch = Batch {
+            captured: Some(captured.clone()),
+            ..Batch::default()
+        };
+        for commit in [0x1000u64, 0x2000] {
+            let bytes = envelope::encode(&sample::chunk(commit, 0, 1)).expect("valid");
+            batch.records.push((commit, bytes));
+            batch.ack = Some(Lsn(commit + 0x10));
+            batch.transactions += 1;
+            let written = log
+                .write_batch(batch.records.iter().map(|(l, b)| (*l, b.as_slice())))
+                .expect("write");
+            batch.records.clear();
+            batch
+                .written
+                .push_back((written.end, batch.ack.take(), batch.transactions));
+            batch.transactions = 0;
+        }
+        assert_eq!(captured.get(), 0, "nothing counted before it is durable");
+        batch.settle(&log).await;
+        assert_eq!(captured.get(), 2);
+        assert!(batch.written.is_empty());
+        assert_eq!(read_resume(&log).expect("resume").commit_lsn, Lsn(0x2000));
+        batch.settle(&log).await;
+        assert_eq!(captured.get(), 2, "counted once");
     }
 
     #[test]

@@ -140,7 +140,18 @@ impl FlowError {
             FlowError::Snapshot(
                 snapshot::SnapshotError::Target(e) | snapshot::SnapshotError::Source(e),
             ) => unreachable(e),
-            _ => false,
+            // A database error deeper down (a check that lost its session
+            // mid-preflight, say) is as transient as one met directly.
+            _ => {
+                let mut cause = std::error::Error::source(self);
+                while let Some(e) = cause {
+                    if let Some(pg) = e.downcast_ref::<tokio_postgres::Error>() {
+                        return unreachable(pg);
+                    }
+                    cause = e.source();
+                }
+                false
+            }
         }
     }
 }
@@ -610,8 +621,28 @@ fn stop_of(
     }
 }
 
-/// One round of [`run_watched`].
+/// One round of [`run_watched`]. A held target lock that is lost ends it
+/// at once, wherever it is (checks, snapshot, capture or apply): another
+/// process may have the flow now. What it was applying rolls back with
+/// its session; the next round starts from the checkpoint.
 async fn run_round<W: Watch>(
+    flow: &Flow,
+    index: usize,
+    config_path: &str,
+    options: RunOptions<'_, W>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<RunReport, FlowError> {
+    let held = options.target_lock;
+    tokio::select! {
+        biased;
+        () = lock_lost(held) => Err(FlowError::LockLost {
+            flow: flow.name.clone(),
+        }),
+        done = round(flow, index, config_path, options, progress) => done,
+    }
+}
+
+async fn round<W: Watch>(
     flow: &Flow,
     index: usize,
     config_path: &str,
@@ -692,7 +723,10 @@ async fn run_round<W: Watch>(
         follow,
     };
     match ensure_boundary(boundary, &source, &target, &health, progress).await? {
-        Start::Snapshotted(copied) => report.snapshot = Some(copied),
+        Start::Snapshotted(copied) => {
+            report.snapshot = Some(copied);
+            health(FlowState::Starting);
+        }
         Start::Resumed => {}
         Start::Stopped => return Ok(report),
     }
@@ -742,7 +776,6 @@ async fn run_round<W: Watch>(
             }, if follow => {}
             () = tokio::time::sleep(until.unwrap_or_default()), if follow && until.is_some() => {}
             _ = failed_rx.wait_for(|f| *f) => {}
-            () = lock_lost(target_lock) => {}
         }
     };
     let capture = async {
@@ -809,15 +842,12 @@ async fn run_round<W: Watch>(
             gauges(flow, &source, &log, &o.metrics, gauges_rx).await;
         }
     };
-    health(FlowState::Following);
+    // Following is capture's to say, once its session streams (external)
+    // or the worker connects (native): a worker that never comes is not
+    // ready.
     let (captured, applied, watched, ()) =
         tokio::join!(capture, apply, watch.watch(&log, applied_rx), gauges);
     let target = applier.client();
-    if target_lock.is_some_and(state::FlowLock::is_lost) {
-        return Err(FlowError::LockLost {
-            flow: flow.name.clone(),
-        });
-    }
     let stats = match captured {
         Ok(stats) => stats,
         Err(FlowError::Capture(
@@ -847,15 +877,11 @@ async fn run_round<W: Watch>(
     Ok(report)
 }
 
-/// Resolves once the held target lock's session has ended; never without
-/// one.
+/// Resolves once the held target lock is lost ([`state::FlowLock::lost`]);
+/// never without one.
 async fn lock_lost(lock: Option<&state::FlowLock>) {
     match lock {
-        Some(lock) => {
-            while !lock.is_lost() {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
+        Some(lock) => lock.lost().await,
         None => std::future::pending().await,
     }
 }

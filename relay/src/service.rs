@@ -65,12 +65,11 @@ impl FlowHealth {
     /// The lag as of now: the last report, plus its age once that is past
     /// [`REPORT_GRACE`] while following.
     fn lag_at(&self, now: std::time::Instant) -> Option<f64> {
-        let lag = self.lag_seconds?;
         match self.reported.map(|at| now.saturating_duration_since(at)) {
             Some(age) if self.state == FlowState::Following && age > REPORT_GRACE => {
-                Some(lag + age.as_secs_f64())
+                Some(self.lag_seconds.unwrap_or(0.0) + age.as_secs_f64())
             }
-            _ => Some(lag),
+            _ => self.lag_seconds,
         }
     }
 }
@@ -196,10 +195,22 @@ impl FlowReporter {
 
     pub fn state(&self, state: FlowState) {
         self.update(|f| {
-            f.state = state;
-            if state == FlowState::Following {
-                f.last_error = None;
+            match state {
+                // The applier's silence counts from here: one whose first
+                // transaction hangs on the target ages into lag too.
+                FlowState::Following if f.state != FlowState::Following => {
+                    f.last_error = None;
+                    f.reported = Some(std::time::Instant::now());
+                }
+                FlowState::Following => f.last_error = None,
+                // A new round: the last one's lag says nothing of this one.
+                FlowState::Starting => {
+                    f.lag_seconds = None;
+                    f.reported = None;
+                }
+                _ => {}
             }
+            f.state = state;
         });
     }
 
@@ -437,5 +448,17 @@ mod tests {
         // A flow retrying is not ready for that reason, not for its age.
         flow.failed(FlowState::Retrying, "capture: connection refused".into());
         assert!(health.not_ready_at(later)[0].contains("retrying: capture: connection refused"));
+        // A new round: following again with no report yet ages from then,
+        // not from the last round's report.
+        flow.state(FlowState::Starting);
+        assert_eq!(health.snapshot()[0].lag_seconds, None);
+        flow.state(FlowState::Following);
+        let now = std::time::Instant::now();
+        assert!(health.not_ready_at(now).is_empty());
+        let stuck = health.not_ready_at(now + Duration::from_secs(90));
+        assert!(
+            stuck[0].contains("over service.ready_max_lag_seconds"),
+            "{stuck:?}"
+        );
     }
 }

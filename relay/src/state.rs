@@ -229,7 +229,16 @@ pub async fn lock_flow(
 #[derive(Debug)]
 pub struct FlowLock {
     client: Client,
+    flow: String,
+    /// A heartbeat found the lock gone (or could not ask in time).
+    lost: std::sync::atomic::AtomicBool,
 }
+
+/// How often a held lock is confirmed, and how long one confirmation may
+/// take: a session a NAT or load balancer dropped silently never reports
+/// its close, so the lock is asked about, not assumed.
+const LOCK_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
+const LOCK_HEARTBEAT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl FlowLock {
     /// Takes the lock on `client`, a session used for nothing else. Err
@@ -246,15 +255,43 @@ impl FlowLock {
             )
             .await?;
         Ok(match lock_flow(&client, flow).await? {
-            None => Ok(FlowLock { client }),
+            None => Ok(FlowLock {
+                client,
+                flow: flow.to_owned(),
+                lost: std::sync::atomic::AtomicBool::new(false),
+            }),
             Some(holder) => Err(holder),
         })
     }
 
-    /// The session ended (the target restarted, or someone terminated
-    /// it): the lock is gone with it.
+    /// Whether the lock is known gone: its session ended (the target
+    /// restarted, or someone terminated it), or a heartbeat failed.
     pub fn is_lost(&self) -> bool {
-        self.client.is_closed()
+        self.client.is_closed() || self.lost.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Resolves once the lock is lost: every [`LOCK_HEARTBEAT`] the session
+    /// is asked whether it still holds it, and an answer that does not
+    /// come within [`LOCK_HEARTBEAT_TIMEOUT`] counts as no.
+    pub async fn lost(&self) {
+        while !self.is_lost() {
+            tokio::time::sleep(LOCK_HEARTBEAT).await;
+            let held = tokio::time::timeout(
+                LOCK_HEARTBEAT_TIMEOUT,
+                self.client.query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_locks
+                     WHERE pid = pg_backend_pid() AND locktype = 'advisory' AND objsubid = 2 AND granted
+                       AND classid::int8 = (hashtext('trellara.flow')::int8 & 4294967295)
+                       AND objid::int8 = (hashtext($1)::int8 & 4294967295))",
+                    &[&self.flow],
+                ),
+            )
+            .await;
+            if !matches!(held, Ok(Ok(ref row)) if row.get::<_, bool>(0)) {
+                tracing::warn!(flow = %self.flow, "the flow's target lock is gone");
+                self.lost.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
     }
 }
 

@@ -1693,8 +1693,9 @@ fn second_process(major: Major) {
         "the refused run left nothing on its host"
     );
     // The target keeps dropping the first process's working sessions (all
-    // but one idle after taking the lock): its rounds fail and it waits to
-    // retry, still holding the flow on the target.
+    // but the one that holds the lock, whose only statements take it or
+    // confirm it): its rounds fail and it waits to retry, still holding
+    // the flow on the target.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let terminator = {
         let stop = std::sync::Arc::clone(&stop);
@@ -1705,7 +1706,7 @@ fn second_process(major: Major) {
                     .execute(
                         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
                          WHERE datname = 'tgt' AND application_name = 'first'
-                           AND query NOT LIKE '%pg_try_advisory_lock%'",
+                           AND query NOT LIKE '%hashtext(''trellara.flow'')%'",
                         &[],
                     )
                     .expect("terminate the first process's target sessions");
@@ -1725,6 +1726,33 @@ fn second_process(major: Major) {
         text.contains("flow busy is already running against this target"),
         "{text}"
     );
+    // The lock's own session terminated: the first process notices, and
+    // takes the lock again on a new session.
+    let holder = |target: &mut postgres::Client| -> Option<i32> {
+        target
+            .query_opt(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted",
+                &[],
+            )
+            .expect("pg_locks")
+            .map(|r| r.get(0))
+    };
+    let old = holder(&mut target).expect("the first process holds the lock");
+    target
+        .execute("SELECT pg_terminate_backend($1)", &[&old])
+        .expect("terminate the lock's session");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while holder(&mut target).is_none_or(|pid| pid == old) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first process never took its lock again"
+        );
+        assert!(
+            child.try_wait().expect("poll").is_none(),
+            "the follower ended"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     // Nor may the other host tear the flow down under it.
     let text = exits(
         &trellara(

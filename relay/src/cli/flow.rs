@@ -469,7 +469,7 @@ async fn serve_endpoints(
         live: LiveSettings::new(flow.retention_bytes()),
     };
     if let Some(level) = &config.service.log_level
-        && let Err(why) = super::set_log_level(level)
+        && let Err(why) = super::set_log_level(Some(level))
     {
         progress(&format!("service: service.log_level not applied: {why}"));
     }
@@ -573,15 +573,13 @@ async fn apply_live(
         running.service.ready_max_lag_seconds = new.ready_max_lag_seconds;
     }
     if new.log_level != old.log_level {
-        // Unset: what -v or RUST_LOG said at the start.
-        let level = new.log_level.clone().unwrap_or_else(|| "warn".into());
-        match super::set_log_level(&level) {
-            Ok(()) => {
-                lines.push(format!("service.log_level is now {level} (applied live)"));
-                running.service.log_level.clone_from(&new.log_level);
-            }
+        // Removed: the filter the process started with (-v).
+        match super::set_log_level(new.log_level.as_deref()) {
+            Ok(level) => lines.push(format!("service.log_level is now {level} (applied live)")),
             Err(why) => lines.push(format!("service.log_level not applied: {why}")),
         }
+        // Either way nothing waits for a restart: RUST_LOG would win then too.
+        running.service.log_level.clone_from(&new.log_level);
     }
     if new.relay_listen != service.listen {
         // The new address first: if it cannot be bound, the old one serves on.
@@ -594,7 +592,9 @@ async fn apply_live(
         {
             Ok(endpoints) => {
                 let bound = endpoints.local_addr();
+                // The old listener is closed before this says so.
                 service.serving.abort();
+                let _ = (&mut service.serving).await;
                 service.serving = tokio::spawn(endpoints.serve());
                 service.listen = new.relay_listen;
                 running.service.relay_listen = new.relay_listen;

@@ -152,6 +152,10 @@ pub fn write_out(args: std::fmt::Arguments<'_>) {
 
 static OUTPUT_ERROR: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
+/// The filter the process started with (RUST_LOG or `-v`), restored when
+/// `service.log_level` is removed.
+static STARTUP_FILTER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 /// Why command output could not be written (other than a closed pipe):
 /// the command then fails, whatever it did.
 pub fn output_error() -> Option<&'static str> {
@@ -198,6 +202,7 @@ pub fn init_tracing(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = STARTUP_FILTER.set(filter.to_string());
     let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
     // Colour codes only for a person at a terminal, and never under NO_COLOR.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
@@ -213,19 +218,25 @@ pub fn init_tracing(verbose: u8) {
     let _ = LOG_FILTER.set(handle);
 }
 
-/// Logs at `service.log_level` from now on. RUST_LOG, when set, is the
-/// operator's word for this process and wins: Err says so.
-pub(crate) fn set_log_level(level: &str) -> Result<(), String> {
+/// Logs at `service.log_level` from now on (None: as the process started,
+/// by `-v`). RUST_LOG, when set, is the operator's word for this process
+/// and wins: Err says so. Ok: the filter now in force.
+pub(crate) fn set_log_level(level: Option<&str>) -> Result<String, String> {
     if std::env::var_os("RUST_LOG").is_some_and(|v| !v.is_empty()) {
         return Err("RUST_LOG is set for this process and wins over service.log_level".into());
     }
+    let level = level
+        .or(STARTUP_FILTER.get().map(String::as_str))
+        .unwrap_or("warn")
+        .to_owned();
     let filter = tracing_subscriber::EnvFilter::builder()
-        .parse(level)
+        .parse(&level)
         .map_err(|e| format!("{level:?} is not a log filter: {e}"))?;
     let handle = LOG_FILTER
         .get()
         .ok_or_else(|| "no log filter is installed".to_owned())?;
-    handle.reload(filter).map_err(|e| e.to_string())
+    handle.reload(filter).map_err(|e| e.to_string())?;
+    Ok(level)
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
