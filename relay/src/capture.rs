@@ -491,32 +491,11 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
         captured: config.observe.as_ref().map(|o| o.metrics.captured.clone()),
         ..Batch::default()
     };
-    let result = stream_batches(
-        config, log, stream, assembler, resume, stats, shutdown, hooks, &mut batch,
-    )
-    .await;
-    if result.as_ref().is_err_and(CaptureError::is_transient) {
-        batch.settle(log).await;
-    }
-    result
-}
-
-/// [`stream_changes`] with the batch kept outside, so what it wrote is
-/// still known once a lost session ends it.
-#[allow(clippy::too_many_arguments)] // stream_changes' own, plus the batch
-async fn stream_batches<S: Storage, R: SourceStream>(
-    config: &CaptureConfig,
-    log: &Log<S>,
-    stream: &mut R,
-    assembler: &mut Assembler,
-    resume: Resume,
-    stats: &mut CaptureStats,
-    mut shutdown: std::pin::Pin<
-        &mut futures_util::future::Fuse<impl std::future::Future<Output = ()>>,
-    >,
-    hooks: &dyn CrashHooks,
-    batch: &mut Batch,
-) -> Result<bool, CaptureError> {
+    // Kept outside the stream's loop, so what it wrote is still known once
+    // a lost session ends it.
+    let batch = &mut batch;
+    let mut shutdown = shutdown;
+    let result = async {
     let mut in_stream_block = false;
     let mut pins_stored = pinned(config, log)?.len();
     // The fsync in flight: the written end it covers, and its wait.
@@ -658,6 +637,12 @@ async fn stream_batches<S: Storage, R: SourceStream>(
             });
         }
     }
+    }
+    .await;
+    if result.as_ref().is_err_and(CaptureError::is_transient) {
+        batch.settle(log).await;
+    }
+    result
 }
 
 /// Inside a transaction this large, the socket is read in batches...

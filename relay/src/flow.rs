@@ -554,7 +554,18 @@ pub async fn run_watched<W: Watch>(
     options: RunOptions<'_, W>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
-    let result = run_round(flow, index, config_path, options, progress).await;
+    // A held target lock that is lost ends the round at once, wherever it
+    // is (checks, snapshot, capture or apply): another process may have
+    // the flow now. What it was applying rolls back with its session; the
+    // next round starts from the checkpoint.
+    let held = options.target_lock;
+    let result = tokio::select! {
+        biased;
+        () = lock_lost(held) => Err(FlowError::LockLost {
+            flow: flow.name.clone(),
+        }),
+        done = run_round(flow, index, config_path, options, progress) => done,
+    };
     if let Err(e) = &result
         && let Some((kind, detail, commands)) = stop_of(e, flow, config_path)
     {
@@ -621,28 +632,8 @@ fn stop_of(
     }
 }
 
-/// One round of [`run_watched`]. A held target lock that is lost ends it
-/// at once, wherever it is (checks, snapshot, capture or apply): another
-/// process may have the flow now. What it was applying rolls back with
-/// its session; the next round starts from the checkpoint.
+/// One round of [`run_watched`].
 async fn run_round<W: Watch>(
-    flow: &Flow,
-    index: usize,
-    config_path: &str,
-    options: RunOptions<'_, W>,
-    progress: &mut dyn FnMut(&str),
-) -> Result<RunReport, FlowError> {
-    let held = options.target_lock;
-    tokio::select! {
-        biased;
-        () = lock_lost(held) => Err(FlowError::LockLost {
-            flow: flow.name.clone(),
-        }),
-        done = round(flow, index, config_path, options, progress) => done,
-    }
-}
-
-async fn round<W: Watch>(
     flow: &Flow,
     index: usize,
     config_path: &str,
