@@ -14,8 +14,10 @@
 
 use crate::apply::{Applier, ApplyError, ApplyStats};
 use crate::config::{Flow, Transport};
+use crate::flow::{FlowError, RunReport};
 use crate::log::{Log, storage::FsStorage};
 use crate::plan::Tuning;
+use crate::service::FlowState;
 use crate::service::Observer;
 use crate::transport::TransportError;
 use crate::transport::kafka::{Feed, KafkaTarget, Publisher};
@@ -32,23 +34,47 @@ pub enum Delivery {
     Kafka { publisher: Publisher, feed: Feed },
 }
 
+/// The flow's topic, made ready (created when missing); None for a
+/// local transport.
+async fn ready_topic(
+    flow: &Flow,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Option<KafkaTarget>, ApplyError> {
+    let Transport::Kafka { brokers, topic, .. } = &flow.transport else {
+        return Ok(None);
+    };
+    let target = KafkaTarget {
+        brokers: brokers.clone(),
+        topic: topic.clone(),
+    };
+    target.ensure_topic().await?;
+    progress(&format!("transport: kafka topic {topic} on {brokers}"));
+    Ok(Some(target))
+}
+
+/// The relay role's publisher of the flow's log to its topic.
+pub async fn open_publisher(
+    flow: &Flow,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Publisher, FlowError> {
+    let target = ready_topic(flow, progress)
+        .await?
+        .ok_or_else(|| FlowError::SplitNeedsKafka {
+            flow: flow.name.clone(),
+        })?;
+    Ok(Publisher::new(target, &flow.name).map_err(ApplyError::from)?)
+}
+
 impl Delivery {
     /// The flow's delivery, its topic made ready when it is Kafka.
     pub async fn open(flow: &Flow, progress: &mut dyn FnMut(&str)) -> Result<Self, ApplyError> {
-        match &flow.transport {
-            Transport::Kafka { brokers, topic, .. } => {
-                let target = KafkaTarget {
-                    brokers: brokers.clone(),
-                    topic: topic.clone(),
-                };
-                target.ensure_topic().await?;
-                let publisher = Publisher::new(target.clone(), &flow.name)?;
-                let feed = Feed::new(target, &crate::apply::cursor_name(&flow.name))?;
-                progress(&format!("transport: kafka topic {topic} on {brokers}"));
-                Ok(Delivery::Kafka { publisher, feed })
-            }
-            Transport::Local { .. } => Ok(Delivery::Local),
-        }
+        Ok(match ready_topic(flow, progress).await? {
+            Some(target) => Delivery::Kafka {
+                publisher: Publisher::new(target.clone(), &flow.name)?,
+                feed: Feed::new(target, &crate::apply::cursor_name(&flow.name))?,
+            },
+            None => Delivery::Local,
+        })
     }
 
     /// Whether the applier may open its next target transaction as soon as
@@ -230,6 +256,182 @@ pub async fn apply_stage(
             }
         }
     }
+}
+
+/// The relay role's stage: forwards what capture makes durable to the
+/// topic as it comes, and what is left once capture has ended. Its lag is
+/// 0 after each pass that reached the log's end: a publisher stuck on its
+/// broker ages into lag on /readyz.
+pub async fn publish_stage(
+    publisher: &Publisher,
+    log: &Log<FsStorage>,
+    signals: Signals<'_>,
+) -> Result<(), ApplyError> {
+    let Signals {
+        mut captured,
+        observe,
+        tuning,
+        ..
+    } = signals;
+    let mut last_retention = std::time::Instant::now();
+    let mut moved = log.subscribe();
+    loop {
+        let seen = log.next_offset();
+        let finished = *captured.borrow();
+        publisher.publish(log).await?;
+        if let Some(o) = observe {
+            o.health.lag(0.0);
+        }
+        if finished || last_retention.elapsed() >= tuning.retention_every {
+            last_retention = std::time::Instant::now();
+            enforce_retention(log, observe);
+        }
+        if finished {
+            return Ok(());
+        }
+        tokio::select! {
+            _ = captured.changed() => {}
+            _ = moved.wait_for(|()| log.next_offset() > seen) => {}
+            () = tokio::time::sleep(tuning.idle_tick) => {}
+        }
+    }
+}
+
+/// How often the apply role looks again for a target the relay has not
+/// made ready yet.
+const READY_POLL: Duration = Duration::from_secs(1);
+
+/// The apply role (`trellara apply`): one round that applies the flow's
+/// topic to its target until `shutdown`, from the target's checkpoint. It
+/// needs only the target and the broker: the relay role owns the source,
+/// the log, the snapshot and the target's `trellara` schema, so this waits
+/// until the relay has a boundary ready. A relay that snapshots again
+/// later is safe beside it: each transaction locks the checkpoint row, and
+/// what the topic still holds from before the new boundary is skipped as
+/// applied.
+pub async fn apply_round(
+    flow: &Flow,
+    (index, config_path): (usize, &str),
+    shutdown: &tokio::sync::watch::Receiver<bool>,
+    lock: Option<&crate::state::FlowLock>,
+    observe: Option<Observer>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<RunReport, FlowError> {
+    let health = |state: FlowState| {
+        if let Some(o) = &observe {
+            o.health.state(state);
+        }
+    };
+    health(FlowState::Starting);
+    let mut report = RunReport {
+        flow: flow.name.clone(),
+        ..RunReport::default()
+    };
+    let target = crate::flow::connect(&crate::flow::target_url(flow, index)?, "target").await?;
+    if lock.is_none()
+        && let Some(holder) =
+            crate::state::lock_flow(&target, &flow.name, crate::service::Role::Apply).await?
+    {
+        return Err(FlowError::Busy {
+            flow: flow.name.clone(),
+            holder,
+        });
+    }
+    let mut stop = shutdown.clone();
+    let mut said = false;
+    while !boundary_ready(&target, &flow.name).await? {
+        if !said {
+            progress("apply: waiting for the relay to make the target ready (its snapshot)");
+            said = true;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(READY_POLL) => {}
+            _ = stop.wait_for(|s| *s) => return Ok(report),
+        }
+    }
+    let topic = ready_topic(flow, progress)
+        .await?
+        .ok_or_else(|| FlowError::SplitNeedsKafka {
+            flow: flow.name.clone(),
+        })?;
+    let feed =
+        Feed::new(topic, &crate::apply::cursor_name(&flow.name)).map_err(ApplyError::from)?;
+    target
+        .batch_execute("SET statement_timeout = 0")
+        .await
+        .map_err(FlowError::Target)?;
+    let tuning = Tuning::DEFAULT;
+    let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
+        .with_patience(tuning.chunk_patience)
+        .with_cursor_every(tuning.cursor_every);
+    if let Some(o) = &observe {
+        applier = applier.with_metrics(o.metrics.clone());
+    }
+    health(FlowState::Following);
+    progress(&format!(
+        "apply: following topic {} until SIGTERM",
+        feed_topic(flow)
+    ));
+    let applied = async {
+        loop {
+            let finished = *stop.borrow();
+            // A relay that went back to a snapshot: wait for its new
+            // boundary rather than apply under its copy.
+            if !boundary_ready(applier.client(), &flow.name).await? {
+                health(FlowState::Starting);
+                tokio::select! {
+                    () = tokio::time::sleep(READY_POLL) => {}
+                    _ = stop.wait_for(|s| *s) => {}
+                }
+                continue;
+            }
+            let stats = applier
+                .apply_log_with(&feed, &crate::crash::NoCrash)
+                .await?;
+            let idle = stats.transactions == 0;
+            if idle {
+                applier.persist_cursor(&feed).await?;
+            }
+            if let Some(o) = &observe {
+                o.health.state(FlowState::Following);
+                o.health.lag(if idle {
+                    0.0
+                } else {
+                    o.metrics.last_lag_seconds()
+                });
+            }
+            crate::apply::accumulate(&mut report.apply, stats);
+            if finished {
+                // Drained what the topic held when the signal came.
+                applier.persist_cursor(&feed).await?;
+                return Ok::<(), FlowError>(());
+            }
+        }
+    };
+    applied.await?;
+    progress(&format!(
+        "applied {} transactions ({} rows), {} duplicates skipped",
+        report.apply.transactions, report.apply.rows, report.apply.duplicates_skipped
+    ));
+    Ok(report)
+}
+
+/// The topic a Kafka flow forwards to, for messages.
+fn feed_topic(flow: &Flow) -> &str {
+    match &flow.transport {
+        Transport::Kafka { topic, .. } => topic,
+        Transport::Local { .. } => "",
+    }
+}
+
+/// Whether the flow's target holds a boundary to stream from: its state
+/// tables exist and the snapshot run is ready or verified.
+async fn boundary_ready(target: &tokio_postgres::Client, flow: &str) -> Result<bool, FlowError> {
+    if !crate::state::present(target).await? {
+        return Ok(false);
+    }
+    let run = crate::snapshot::load(target, flow).await?;
+    Ok(!crate::snapshot::needs_snapshot(run.map(|r| r.state)))
 }
 
 /// Deletes segments every consumer has passed, within the flow's size

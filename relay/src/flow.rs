@@ -11,11 +11,12 @@
 use crate::apply::{Applier, ApplyError, ApplyStats};
 use crate::capture::{self, CaptureConfig};
 use crate::config::{CapturePath, Flow};
-use crate::delivery::{Delivery, Signals, apply_stage};
+use crate::delivery::{Delivery, Signals, apply_stage, publish_stage};
 use crate::log::{Log, LogConfig, storage::FsStorage};
-use crate::service::{FlowState, Observer};
+use crate::service::{FlowState, Observer, Role};
 use crate::snapshot::{self, SnapshotReport};
 use crate::state::{self, SnapshotState};
+use crate::transport::kafka::Publisher;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -105,6 +106,10 @@ pub enum FlowError {
         "flow {flow}: the target session holding the flow's lock ended, so another process could take the flow; this round stopped"
     )]
     LockLost { flow: String },
+    #[error(
+        "flow {flow} has transport: local, and only a Kafka transport splits a flow into `trellara relay` and `trellara apply` services; nothing was started\nhint: run both parts in one process with `trellara run --config CONFIG --flow {flow} --follow`, or give the flow transport: kafka"
+    )]
+    SplitNeedsKafka { flow: String },
     #[error("log directory {path}: {source}")]
     LogDir {
         path: String,
@@ -202,6 +207,7 @@ pub async fn follow(
     flow: &Flow,
     index: usize,
     config_path: &str,
+    role: Role,
     observe: Option<Observer>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
@@ -219,9 +225,15 @@ pub async fn follow(
         ..RunReport::default()
     };
     let mut delay = TUNING.retry_first;
+    if role != Role::Both && !matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
+        return Err(FlowError::SplitNeedsKafka {
+            flow: flow.name.clone(),
+        });
+    }
     // Held across rounds, so nothing (a teardown, another run) takes the
-    // log while this process waits to follow again.
-    let held = match flow.log_dir() {
+    // log while this process waits to follow again. The apply role has
+    // no log: it reads the topic.
+    let held = match flow.log_dir().filter(|_| role.captures()) {
         Some(dir) => Some(crate::lock::lock(dir).map_err(|source| FlowError::LogDir {
             path: dir.display().to_string(),
             source,
@@ -238,9 +250,22 @@ pub async fn follow(
         }
         let round = async {
             if target_lock.is_none() {
-                target_lock = Some(take_flow_lock(flow, index).await?);
+                target_lock = Some(take_flow_lock(flow, index, role).await?);
+            }
+            if role == Role::Apply {
+                let lock = target_lock.as_ref();
+                return crate::delivery::apply_round(
+                    flow,
+                    (index, config_path),
+                    &shutdown,
+                    lock,
+                    observe.clone(),
+                    progress,
+                )
+                .await;
             }
             let options = RunOptions {
+                role,
                 follow: true,
                 until: None,
                 watch: &mut NoWatch,
@@ -283,10 +308,13 @@ pub async fn follow(
 
 /// Connects a session to the flow's target that holds its lock and does
 /// nothing else.
-async fn take_flow_lock(flow: &Flow, index: usize) -> Result<state::FlowLock, FlowError> {
-    let (_, target_url) = urls(flow, index)?;
-    let client = connect(&target_url, "target").await?;
-    state::FlowLock::take(client, &flow.name)
+async fn take_flow_lock(
+    flow: &Flow,
+    index: usize,
+    role: Role,
+) -> Result<state::FlowLock, FlowError> {
+    let client = connect(&target_url(flow, index)?, "target").await?;
+    state::FlowLock::take(client, &flow.name, role)
         .await?
         .map_err(|holder| FlowError::Busy {
             flow: flow.name.clone(),
@@ -440,12 +468,16 @@ pub fn redact(url: &str) -> String {
 /// Source and target URLs of a flow, resolved from their references.
 pub fn urls(flow: &Flow, index: usize) -> Result<(String, String), FlowError> {
     let source = flow.source.url.resolve(&format!("flows[{index}].source"))?;
-    let target = match &flow.target.throwaway {
+    Ok((source, target_url(flow, index)?))
+}
+
+/// The target URL alone: the apply role needs no source credentials.
+pub fn target_url(flow: &Flow, index: usize) -> Result<String, FlowError> {
+    Ok(match &flow.target.throwaway {
         // Started when a command first needs it, left running until teardown.
         Some(dir) => crate::throwaway::start(dir, &flow.name)?,
         None => flow.target.url.resolve(&format!("flows[{index}].target"))?,
-    };
-    Ok((source, target))
+    })
 }
 
 /// Marks the flow's snapshot run failed_recoverable so the next round
@@ -458,8 +490,16 @@ pub async fn request_reseed(
     progress: &mut dyn FnMut(&str),
 ) -> Result<(), FlowError> {
     let (source_url, target_url) = urls(flow, index)?;
-    let source = connect(&source_url, "source").await?;
     let target = connect(&target_url, "target").await?;
+    // A running flow (any role) would stream on past the mark; its lock
+    // goes with this session, before the reseed's own round takes it.
+    if let Some(holder) = state::lock_flow(&target, &flow.name, Role::Both).await? {
+        return Err(FlowError::Busy {
+            flow: flow.name.clone(),
+            holder,
+        });
+    }
+    let source = connect(&source_url, "source").await?;
     gate(flow, &source_url, &source, &target, config_path, progress).await?;
     state::ensure(&target).await?;
     if snapshot::load(&target, &flow.name).await?.is_some() {
@@ -502,6 +542,10 @@ impl Watch for NoWatch {
 /// How long a run goes on, and who watches it.
 #[derive(Debug)]
 pub struct RunOptions<'a, W: Watch> {
+    /// [`Role::Both`], or [`Role::Relay`]: capture and publish to the
+    /// flow's topic, applying nothing (the apply role is
+    /// [`crate::delivery::apply_round`]).
+    pub role: Role,
     /// Keep following until SIGTERM or Ctrl-C (or `until`).
     pub follow: bool,
     /// With `follow`: stop after this long.
@@ -532,6 +576,7 @@ pub async fn run_once(
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
     let options = RunOptions {
+        role: Role::Both,
         follow,
         until: None,
         watch: &mut NoWatch,
@@ -641,6 +686,7 @@ async fn run_round<W: Watch>(
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
     let RunOptions {
+        role,
         follow,
         until,
         watch,
@@ -665,7 +711,7 @@ async fn run_round<W: Watch>(
     // before anything else, so a refused process checks, reads and leaves
     // nothing, on either side or on its own host.
     if target_lock.is_none()
-        && let Some(holder) = state::lock_flow(&target, &flow.name).await?
+        && let Some(holder) = state::lock_flow(&target, &flow.name, role).await?
     {
         return Err(FlowError::Busy {
             flow: flow.name.clone(),
@@ -788,22 +834,33 @@ async fn run_round<W: Watch>(
         let _ = done_tx.send(true);
         result
     };
-    let delivery = Delivery::open(flow, progress).await?;
-    // Applying is data work: a row lock held by a target reader is waited
-    // for, not a reason to stop the flow.
-    target
-        .batch_execute("SET statement_timeout = 0")
-        .await
-        .map_err(FlowError::Target)?;
-    let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
-        .with_patience(TUNING.chunk_patience)
-        .with_cursor_every(TUNING.cursor_every);
-    if delivery.opens_ahead() {
-        applier = applier.with_open_after_commit();
-    }
-    if let Some(o) = &observe {
-        applier = applier.with_metrics(o.metrics.clone());
-    }
+    let mut stage = if role == Role::Relay {
+        Stage::Publish {
+            publisher: crate::delivery::open_publisher(flow, progress).await?,
+            target,
+        }
+    } else {
+        let delivery = Delivery::open(flow, progress).await?;
+        // Applying is data work: a row lock held by a target reader is
+        // waited for, not a reason to stop the flow.
+        target
+            .batch_execute("SET statement_timeout = 0")
+            .await
+            .map_err(FlowError::Target)?;
+        let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
+            .with_patience(TUNING.chunk_patience)
+            .with_cursor_every(TUNING.cursor_every);
+        if delivery.opens_ahead() {
+            applier = applier.with_open_after_commit();
+        }
+        if let Some(o) = &observe {
+            applier = applier.with_metrics(o.metrics.clone());
+        }
+        Stage::Apply {
+            applier: Box::new(applier),
+            delivery,
+        }
+    };
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
         let signals = Signals {
@@ -812,18 +869,22 @@ async fn run_round<W: Watch>(
             observe: observe.as_ref(),
             tuning: &TUNING,
         };
-        let result = apply_stage(&mut applier, &delivery, &log, &flow.name, signals).await;
+        let result = match &mut stage {
+            Stage::Apply { applier, delivery } => {
+                let result = apply_stage(applier, delivery, &log, &flow.name, signals).await;
+                // Whatever ended the loop, the session is left outside a
+                // transaction for what reads the target next.
+                applier.close_opened().await;
+                result
+            }
+            Stage::Publish { publisher, .. } => publish_stage(publisher, &log, signals)
+                .await
+                .map(|()| ApplyStats::default()),
+        };
         if result.is_err() {
             // Capture stops too.
             let _ = failed_tx.send(true);
         }
-        // Whatever ended the loop, the session is left outside a
-        // transaction for what reads the target next.
-        applier.close_opened().await;
-        result
-    };
-    let apply = async {
-        let result = apply.await;
         let _ = applied_tx.send(true);
         result
     };
@@ -838,7 +899,10 @@ async fn run_round<W: Watch>(
     // ready.
     let (captured, applied, watched, ()) =
         tokio::join!(capture, apply, watch.watch(&log, applied_rx), gauges);
-    let target = applier.client();
+    let target = match &stage {
+        Stage::Apply { applier, .. } => applier.client(),
+        Stage::Publish { target, .. } => target,
+    };
     let stats = match captured {
         Ok(stats) => stats,
         Err(FlowError::Capture(
@@ -866,6 +930,21 @@ async fn run_round<W: Watch>(
     report.caught_up_to = (!follow).then_some(goal);
     wrap_up(flow, &source, target, &report, progress).await?;
     Ok(report)
+}
+
+/// What a round does with the log capture writes.
+enum Stage {
+    /// Applies it to the target (through the log or the topic).
+    Apply {
+        applier: Box<Applier>,
+        delivery: Delivery,
+    },
+    /// Only publishes it to the flow's topic (the relay role); the target
+    /// session stays for the round's bookkeeping.
+    Publish {
+        publisher: Publisher,
+        target: Client,
+    },
 }
 
 /// Resolves once the held target lock is lost ([`state::FlowLock::lost`]);

@@ -9,6 +9,7 @@
 //! runs both roles (`run --follow`) or two do. Names and meanings are listed
 //! in docs/CLI.md.
 
+use crate::service::Role;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -129,19 +130,42 @@ impl Metrics {
         }
     }
 
-    /// The series of one flow; they exist (at zero) from now on, so a
-    /// scrape shows the flow before its first transaction.
-    pub fn flow(&self, source_id: &str, dataset_id: &str) -> FlowMetrics {
+    /// The series of one flow that `role` owns; they exist (at zero) from
+    /// now on, so a scrape shows the flow before its first transaction.
+    /// The other role's handles count into nothing registered: a relay
+    /// process shows no apply series, and an apply process no capture
+    /// series, so two processes never both claim one.
+    pub fn flow(&self, role: Role, source_id: &str, dataset_id: &str) -> FlowMetrics {
         let relay = [RELAY, source_id, dataset_id];
         let apply = [APPLY, source_id, dataset_id];
+        let counter = |vec: &IntCounterVec, labels: &[&str; 3], owned: bool| {
+            if owned {
+                vec.with_label_values(labels)
+            } else {
+                IntCounter::new("detached", "not this process's role").expect("valid metric")
+            }
+        };
+        let gauge = |vec: &IntGaugeVec, labels: &[&str; 3], owned: bool| {
+            if owned {
+                vec.with_label_values(labels)
+            } else {
+                IntGauge::new("detached", "not this process's role").expect("valid metric")
+            }
+        };
+        let (captures, applies) = (role.captures(), role.applies());
         FlowMetrics {
-            captured: self.captured.with_label_values(&relay),
-            applied: self.applied.with_label_values(&apply),
-            duplicates: self.duplicates.with_label_values(&apply),
-            quarantined: self.quarantined.with_label_values(&apply),
-            slot_wal: self.slot_wal.with_label_values(&relay),
-            log_bytes: self.log_bytes.with_label_values(&relay),
-            lag: self.lag.with_label_values(&apply),
+            captured: counter(&self.captured, &relay, captures),
+            applied: counter(&self.applied, &apply, applies),
+            duplicates: counter(&self.duplicates, &apply, applies),
+            quarantined: counter(&self.quarantined, &apply, applies),
+            slot_wal: gauge(&self.slot_wal, &relay, captures),
+            log_bytes: gauge(&self.log_bytes, &relay, captures),
+            lag: if applies {
+                self.lag.with_label_values(&apply)
+            } else {
+                Histogram::with_opts(HistogramOpts::new("detached", "not this process's role"))
+                    .expect("valid metric")
+            },
             last_lag_micros: std::sync::Arc::default(),
         }
     }
@@ -195,7 +219,7 @@ mod tests {
     #[test]
     fn every_series_has_exactly_the_three_labels() {
         let metrics = Metrics::new();
-        let flow = metrics.flow("7312:shop", "orders");
+        let flow = metrics.flow(Role::Both, "7312:shop", "orders");
         flow.captured.inc_by(3);
         flow.applied.inc_by(2);
         flow.observe_commit(0);
@@ -226,5 +250,40 @@ mod tests {
         assert!(text.contains(
             "trellara_commit_to_apply_lag_seconds_bucket{dataset_id=\"orders\",service=\"apply\",source_id=\"7312:shop\",le=\"+Inf\"} 1"
         ));
+    }
+
+    #[test]
+    fn a_role_shows_only_its_own_series() {
+        let families = |role: Role| {
+            let metrics = Metrics::new();
+            let flow = metrics.flow(role, "7312:shop", "orders");
+            flow.captured.inc();
+            flow.applied.inc();
+            flow.observe_commit(0);
+            let text = metrics.render();
+            let service = format!("service=\"{}\"", role.service());
+            let names: std::collections::BTreeSet<String> = text
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(|l| {
+                    assert!(l.contains(&service), "{l}");
+                    let name = l.split('{').next().unwrap();
+                    ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .fold(name, |n, s| n.strip_suffix(s).unwrap_or(n))
+                        .to_owned()
+                })
+                .collect();
+            let names: Vec<String> = names.into_iter().collect();
+            names.join(" ")
+        };
+        assert_eq!(
+            families(Role::Relay),
+            "trellara_captured_transactions_total trellara_log_retained_bytes trellara_slot_retained_wal_bytes"
+        );
+        assert_eq!(
+            families(Role::Apply),
+            "trellara_applied_transactions_total trellara_commit_to_apply_lag_seconds trellara_quarantined_transactions_total trellara_skipped_duplicate_transactions_total"
+        );
     }
 }

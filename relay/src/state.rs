@@ -5,6 +5,7 @@
 //! The checkpoint row is written in the same target transaction as the rows
 //! it accounts for; that is what makes redelivery detectable.
 
+use crate::service::Role;
 use tokio_postgres::Client;
 
 const SCHEMA: &str = "
@@ -173,34 +174,68 @@ pub async fn owns_slot(
 /// How long [`lock_flow`] waits for a lock held by another session.
 const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Takes the flow's lock on the target for this session: one process runs
-/// a flow against a target, whichever host it is on (a local log lock only
-/// covers one machine). Session-level, so it goes with the session: a
-/// process that dies or loses its connection frees it. None: taken; Some:
-/// who holds it.
+/// The advisory lock names a role holds, one per part of the flow: the
+/// capture side under the flow's name (as before the roles were split),
+/// the apply side under `<flow>:apply` (a flow name has no `:`).
+fn lock_names(flow: &str, role: Role) -> Vec<(String, &'static str)> {
+    let capture = (flow.to_owned(), "capture");
+    let apply = (format!("{flow}:apply"), "apply");
+    match role {
+        Role::Both => vec![capture, apply],
+        Role::Relay => vec![capture],
+        Role::Apply => vec![apply],
+    }
+}
+
+/// Takes the flow's locks for `role` on the target for this session: one
+/// process plays each part of a flow against a target, whichever host it
+/// is on (a local log lock only covers one machine). Session-level, so
+/// they go with the session: a process that dies or loses its connection
+/// frees them. None: taken; Some: who holds one (and none is kept).
 pub async fn lock_flow(
     client: &Client,
     flow: &str,
+    role: Role,
 ) -> Result<Option<String>, tokio_postgres::Error> {
+    let names = lock_names(flow, role);
     // A process killed a moment ago leaves its session until the server
     // notices (at the end of the statement it was running): worth a wait.
     let patience = std::time::Instant::now() + LOCK_PATIENCE;
-    loop {
-        let taken: bool = client
-            .query_one(
-                "SELECT pg_try_advisory_lock(hashtext('trellara.flow'), hashtext($1))",
-                &[&flow],
-            )
-            .await?
-            .get(0);
-        if taken {
+    let refused = loop {
+        let mut taken = Vec::new();
+        let mut refused = None;
+        for (name, part) in &names {
+            let got: bool = client
+                .query_one(
+                    "SELECT pg_try_advisory_lock(hashtext('trellara.flow'), hashtext($1))",
+                    &[name],
+                )
+                .await?
+                .get(0);
+            if !got {
+                refused = Some((name, *part));
+                break;
+            }
+            taken.push(name);
+        }
+        let Some(refused) = refused else {
             return Ok(None);
+        };
+        // All or none: a half-taken set would block the other role.
+        for name in taken {
+            client
+                .execute(
+                    "SELECT pg_advisory_unlock(hashtext('trellara.flow'), hashtext($1))",
+                    &[name],
+                )
+                .await?;
         }
         if std::time::Instant::now() >= patience {
-            break;
+            break refused;
         }
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
+    };
+    let (name, part) = refused;
     // The two-key form shows in pg_locks as classid, objid (as oids) with
     // objsubid 2.
     let holder = client
@@ -211,25 +246,28 @@ pub async fn lock_flow(
                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                AND l.classid::int8 = (hashtext('trellara.flow')::int8 & 4294967295)
                AND l.objid::int8 = (hashtext($1)::int8 & 4294967295)",
-            &[&flow],
+            &[name],
         )
         .await?;
     Ok(Some(holder.map_or_else(
-        || "another session (not visible to this role)".to_owned(),
+        || format!("another session (not visible to this role), playing its {part} part,"),
         |r| {
             let (pid, from, app): (i32, String, String) = (r.get(0), r.get(1), r.get(2));
-            format!("the target session of pid {pid} from {from} (application_name {app:?})")
+            format!(
+                "the target session of pid {pid} from {from} (application_name {app:?}), playing its {part} part,"
+            )
         },
     )))
 }
 
-/// A target session of its own that holds a flow's lock for as long as
-/// it lives: `run --follow` keeps it across its retry rounds, so another
+/// A target session of its own that holds a flow's locks for as long as
+/// it lives: a follower keeps it across its retry rounds, so another
 /// process cannot take the flow while this one waits to follow again.
 #[derive(Debug)]
 pub struct FlowLock {
     client: Client,
     flow: String,
+    names: Vec<String>,
     /// A heartbeat found the lock gone (or could not ask in time).
     lost: std::sync::atomic::AtomicBool,
 }
@@ -241,11 +279,12 @@ const LOCK_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
 const LOCK_HEARTBEAT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl FlowLock {
-    /// Takes the lock on `client`, a session used for nothing else. Err
-    /// with who holds it when another session does.
+    /// Takes the locks of `role` on `client`, a session used for nothing
+    /// else. Err with who holds one when another session does.
     pub async fn take(
         client: Client,
         flow: &str,
+        role: Role,
     ) -> Result<Result<Self, String>, tokio_postgres::Error> {
         // A session idle for hours is the point: no idle timeout ends it.
         client
@@ -254,10 +293,11 @@ impl FlowLock {
                  WHERE current_setting('idle_session_timeout', true) IS NOT NULL",
             )
             .await?;
-        Ok(match lock_flow(&client, flow).await? {
+        Ok(match lock_flow(&client, flow, role).await? {
             None => Ok(FlowLock {
                 client,
                 flow: flow.to_owned(),
+                names: lock_names(flow, role).into_iter().map(|(n, _)| n).collect(),
                 lost: std::sync::atomic::AtomicBool::new(false),
             }),
             Some(holder) => Err(holder),
@@ -271,23 +311,24 @@ impl FlowLock {
     }
 
     /// Resolves once the lock is lost: every [`LOCK_HEARTBEAT`] the session
-    /// is asked whether it still holds it, and an answer that does not
-    /// come within [`LOCK_HEARTBEAT_TIMEOUT`] counts as no.
+    /// is asked whether it still holds every lock it took, and an answer
+    /// that does not come within [`LOCK_HEARTBEAT_TIMEOUT`] counts as no.
     pub async fn lost(&self) {
+        let expected = i64::try_from(self.names.len()).unwrap_or(i64::MAX);
         while !self.is_lost() {
             tokio::time::sleep(LOCK_HEARTBEAT).await;
             let held = tokio::time::timeout(
                 LOCK_HEARTBEAT_TIMEOUT,
                 self.client.query_one(
-                    "SELECT EXISTS (SELECT 1 FROM pg_locks
+                    "SELECT count(*) FROM pg_locks
                      WHERE pid = pg_backend_pid() AND locktype = 'advisory' AND objsubid = 2 AND granted
                        AND classid::int8 = (hashtext('trellara.flow')::int8 & 4294967295)
-                       AND objid::int8 = (hashtext($1)::int8 & 4294967295))",
-                    &[&self.flow],
+                       AND objid::int8 IN (SELECT hashtext(n)::int8 & 4294967295 FROM unnest($1::text[]) n)",
+                    &[&self.names],
                 ),
             )
             .await;
-            if !matches!(held, Ok(Ok(ref row)) if row.get::<_, bool>(0)) {
+            if !matches!(held, Ok(Ok(ref row)) if row.get::<_, i64>(0) == expected) {
                 tracing::warn!(flow = %self.flow, "the flow's target lock is gone");
                 self.lost.store(true, std::sync::atomic::Ordering::Relaxed);
             }

@@ -160,7 +160,7 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
     refuse_running(flow)?;
     // A run on another host holds the flow's lock on the target; taken
     // here, it also keeps a run from starting while teardown removes.
-    if let Some(holder) = crate::state::lock_flow(target, &flow.name)
+    if let Some(holder) = crate::state::lock_flow(target, &flow.name, crate::service::Role::Both)
         .await
         .map_err(TeardownError::Target)?
     {

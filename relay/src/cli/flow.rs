@@ -5,6 +5,7 @@ use crate::config::{
     self, CapturePath, Config, Environment, Flow, SecretRef, Source, Target, Transport,
 };
 use crate::flow;
+use crate::service::Role;
 use crate::verify;
 use anyhow::Context;
 use serde_json::json;
@@ -447,24 +448,26 @@ pub(super) fn flows<'a>(
     Ok(selected)
 }
 
-/// `run --follow` plays both roles in one process: it serves one set of
-/// endpoints, on the relay's address, covering capture and apply. Bound
-/// before anything connects, so a taken port refuses the run untouched.
+/// A service's endpoints: `run --follow` plays both roles in one process
+/// and serves one set, on the relay's address, covering capture and
+/// apply; `relay` and `apply` each serve their own role's. Bound before
+/// anything connects, so a taken port refuses the run untouched.
 async fn serve_endpoints(
     config: &Config,
     config_path: &str,
     flow: &Flow,
+    role: Role,
     hangup: tokio::signal::unix::Signal,
     progress: &mut dyn FnMut(&str),
 ) -> anyhow::Result<crate::service::Observer> {
     use crate::service::{Endpoints, Health, LiveSettings, Observer};
     let metrics = crate::metrics::Metrics::new();
     let health = Health::new(
-        crate::metrics::RELAY,
+        role.service(),
         std::time::Duration::from_secs(config.service.ready_max_lag_seconds),
     );
     let observe = Observer {
-        metrics: metrics.flow(&flow.source_id(), &flow.name),
+        metrics: metrics.flow(role, &flow.source_id(), &flow.name),
         health: health.flow(&flow.name, &flow.source_id(), &flow.name),
         live: LiveSettings::new(flow.retention_bytes()),
     };
@@ -473,13 +476,14 @@ async fn serve_endpoints(
     {
         progress(&format!("service: service.log_level not applied: {why}"));
     }
-    let addr = config.service.relay_listen;
+    let addr = role.listen(&config.service);
     let endpoints = Endpoints::bind(addr, metrics.clone(), Arc::clone(&health)).await?;
     let bound = endpoints.local_addr();
     progress(&format!(
         "service: serving http://{bound}/livez /readyz /healthz /metrics"
     ));
     let service = Service {
+        role,
         metrics,
         health,
         live: Arc::clone(&observe.live),
@@ -496,8 +500,9 @@ async fn serve_endpoints(
     Ok(observe)
 }
 
-/// What a reload may change in a running `run --follow`.
+/// What a reload may change in a running service.
 struct Service {
+    role: Role,
     metrics: crate::metrics::Metrics,
     health: Arc<crate::service::Health>,
     live: Arc<crate::service::LiveSettings>,
@@ -505,6 +510,109 @@ struct Service {
     /// config does not move the endpoints).
     listen: std::net::SocketAddr,
     serving: tokio::task::JoinHandle<()>,
+}
+
+/// A service process before it serves: the SIGHUP handler is installed
+/// first of all, so a SIGHUP sent while the config loads or a database
+/// connects is caught (and read after), not the default end.
+pub(super) struct Prepared {
+    pub rt: tokio::runtime::Runtime,
+    hangup: tokio::signal::unix::Signal,
+    pub config: Config,
+    pub index: usize,
+    config_path: String,
+}
+
+impl Prepared {
+    /// The runtime, the handler and the one flow selected.
+    pub fn new(config_path: &std::path::Path, flow: Option<&str>) -> anyhow::Result<Self> {
+        // Two workers: a topic read blocks its thread for a moment, and
+        // the endpoints answer meanwhile.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .context("start the async runtime")?;
+        let hangup = {
+            let _runtime = rt.enter();
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                .context("listen for SIGHUP")?
+        };
+        let config = config::load(config_path)?;
+        let selected = flows(&config, flow)?;
+        let [(index, _)] = selected.as_slice() else {
+            anyhow::bail!(
+                "{}: {} flows; a service runs one flow per process\nhint: pass --flow NAME (one process per flow)",
+                config_path.display(),
+                selected.len()
+            );
+        };
+        let index = *index;
+        Ok(Prepared {
+            rt,
+            hangup,
+            config,
+            index,
+            config_path: config_path.display().to_string(),
+        })
+    }
+
+    pub fn flow(&self) -> &Flow {
+        &self.config.flows[self.index]
+    }
+
+    /// Plays `role` of the flow until SIGTERM or Ctrl-C, serving its
+    /// endpoints; what it did is said at the end.
+    pub fn serve(self, role: Role) -> anyhow::Result<ExitCode> {
+        let Prepared {
+            rt,
+            hangup,
+            config,
+            index,
+            config_path,
+        } = self;
+        let flow = &config.flows[index];
+        if role != Role::Both && !matches!(flow.transport, config::Transport::Kafka { .. }) {
+            return Err(flow::FlowError::SplitNeedsKafka {
+                flow: flow.name.clone(),
+            }
+            .into());
+        }
+        let mut progress = |line: &str| errln!("[{}] {line}", flow.name);
+        let observe = rt.block_on(serve_endpoints(
+            &config,
+            &config_path,
+            flow,
+            role,
+            hangup,
+            &mut progress,
+        ))?;
+        rt.block_on(flow::follow(
+            flow,
+            index,
+            &config_path,
+            role,
+            Some(observe),
+            &mut progress,
+        ))
+        .with_context(|| format!("flow {}", flow.name))?;
+        Ok(ExitCode::SUCCESS)
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ApplyArgs {
+    /// The config file; the flow must have transport: kafka.
+    #[arg(long)]
+    config: PathBuf,
+    /// The flow in --config (default: the only one).
+    #[arg(long)]
+    flow: Option<String>,
+}
+
+/// `trellara apply --config`: the apply role of a Kafka flow, a service.
+pub fn apply(args: ApplyArgs) -> anyhow::Result<ExitCode> {
+    Prepared::new(&args.config, args.flow.as_deref())?.serve(Role::Apply)
 }
 
 /// SIGHUP re-reads the config. One that fails to load or validate, or
@@ -581,10 +689,12 @@ async fn apply_live(
         // Either way nothing waits for a restart: RUST_LOG would win then too.
         running.service.log_level.clone_from(&new.log_level);
     }
-    if new.relay_listen != service.listen {
+    let (role, field) = (service.role, service.role.listen_field());
+    let listen = role.listen(new);
+    if listen != service.listen {
         // The new address first: if it cannot be bound, the old one serves on.
         match crate::service::Endpoints::bind(
-            new.relay_listen,
+            listen,
             service.metrics.clone(),
             Arc::clone(&service.health),
         )
@@ -596,15 +706,14 @@ async fn apply_live(
                 service.serving.abort();
                 let _ = (&mut service.serving).await;
                 service.serving = tokio::spawn(endpoints.serve());
-                service.listen = new.relay_listen;
-                running.service.relay_listen = new.relay_listen;
+                service.listen = listen;
+                *role.listen_mut(&mut running.service) = listen;
                 lines.push(format!(
-                    "service.relay_listen is now {} (applied live): serving http://{bound}/livez /readyz /healthz /metrics",
-                    new.relay_listen
+                    "{field} is now {listen} (applied live): serving http://{bound}/livez /readyz /healthz /metrics"
                 ));
             }
             Err(e) => lines.push(format!(
-                "service.relay_listen not applied, still serving on {}: {}",
+                "{field} not applied, still serving on {}: {}",
                 service.listen,
                 crate::errors::chain_of(&e)
             )),
@@ -706,6 +815,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 &config,
                 &config_path,
                 f,
+                Role::Both,
                 hangup,
                 &mut progress,
             ))?;
@@ -713,6 +823,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 f,
                 index,
                 &config_path,
+                Role::Both,
                 Some(observe),
                 &mut progress,
             ))

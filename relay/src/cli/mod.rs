@@ -85,9 +85,12 @@ pub enum Command {
     /// Inspect and verify a durable segment log directory.
     #[command(hide = true)]
     Log(log::LogArgs),
-    /// Run the external capture stage alone: a pgoutput slot into a durable log.
+    /// Run the capture role: a slot into the durable log (and a Kafka flow's topic).
     #[command(hide = true)]
     Relay(relay::RelayArgs),
+    /// Run the apply role of a Kafka flow: its topic into the target.
+    #[command(hide = true)]
+    Apply(flow::ApplyArgs),
     /// Run the failure matrix (deterministic simulation).
     #[command(hide = true)]
     Chaos(chaos::ChaosArgs),
@@ -243,6 +246,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let (name, issue) = match cli.command {
         Command::Log(args) => return log::run(args),
         Command::Relay(args) => return relay::run(args),
+        Command::Apply(args) => return flow::apply(args),
         Command::Init(args) => return flow::init(args),
         Command::Check(args) => return flow::check(args),
         Command::Run(args) => return flow::run(args),

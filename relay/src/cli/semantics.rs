@@ -74,6 +74,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
             }
         };
         let options = RunOptions {
+            role: crate::service::Role::Both,
             follow: true,
             until: Some(Duration::from_secs(args.duration)),
             watch: &mut observer,

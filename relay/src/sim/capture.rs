@@ -969,7 +969,7 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
     // One counter across sessions, as one process's metric lives across
     // its reconnects.
     let observer = crate::service::Observer {
-        metrics: crate::metrics::Metrics::new().flow("sim", "sim"),
+        metrics: crate::metrics::Metrics::new().flow(crate::service::Role::Both, "sim", "sim"),
         health: crate::service::Health::new("relay", Duration::from_secs(60))
             .flow("sim", "sim", "sim"),
         live: crate::service::LiveSettings::new(None),

@@ -118,7 +118,7 @@ pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, Stri
     // One counter across rounds, as one process's metric lives across the
     // worker's reconnects.
     let observer = crate::service::Observer {
-        metrics: crate::metrics::Metrics::new().flow("sim", "sim"),
+        metrics: crate::metrics::Metrics::new().flow(crate::service::Role::Both, "sim", "sim"),
         health: crate::service::Health::new("relay", std::time::Duration::from_secs(60))
             .flow("sim", "sim", "sim"),
         live: crate::service::LiveSettings::new(None),
