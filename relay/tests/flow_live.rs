@@ -2481,40 +2481,248 @@ fn a_value_that_does_not_fit_on(major: Major) {
 /// `run --follow` in `dir`, its stderr gathered as it comes; returns the
 /// child, the address it serves its endpoints on, and the stderr so far.
 fn spawn_follower(d: &Path) -> (std::process::Child, String, Arc<std::sync::Mutex<String>>) {
+    spawn_service(
+        d,
+        &["run", "--config", "trellara.yml", "--local", "--follow"],
+    )
+}
+
+/// A service (`run --follow`, `relay`, `apply`) started in `dir` with
+/// `args`, as [`spawn_follower`]: the address is read from whichever
+/// stream names it.
+fn spawn_service(
+    d: &Path,
+    args: &[&str],
+) -> (std::process::Child, String, Arc<std::sync::Mutex<String>>) {
     use std::io::BufRead;
     let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
         .current_dir(d)
-        .args(["run", "--config", "trellara.yml", "--local", "--follow"])
+        .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("spawn run --follow");
+        .expect("spawn a service");
     let stderr = Arc::new(std::sync::Mutex::new(String::new()));
-    let errors = Arc::clone(&stderr);
-    let mut err_pipe = std::io::BufReader::new(child.stderr.take().expect("stderr"));
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        while err_pipe.read_line(&mut line).is_ok_and(|n| n > 0) {
-            errors.lock().unwrap().push_str(&line);
-            line.clear();
-        }
-    });
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    let mut out_pipe = std::io::BufReader::new(child.stdout.take().expect("stdout"));
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        while out_pipe.read_line(&mut line).is_ok_and(|n| n > 0) {
-            if let Some(rest) = line.split("service: serving http://").nth(1) {
-                let addr = rest.split('/').next().unwrap_or_default().to_owned();
-                let _ = addr_tx.send(addr);
+    let read = |pipe: Box<dyn std::io::Read + Send>,
+                gather: Option<Arc<std::sync::Mutex<String>>>| {
+        let addr_tx = addr_tx.clone();
+        std::thread::spawn(move || {
+            let mut pipe = std::io::BufReader::new(pipe);
+            let mut line = String::new();
+            while pipe.read_line(&mut line).is_ok_and(|n| n > 0) {
+                if let Some(rest) = line.split("service: serving http://").nth(1) {
+                    let addr = rest.split('/').next().unwrap_or_default().to_owned();
+                    let _ = addr_tx.send(addr);
+                }
+                if let Some(g) = &gather {
+                    g.lock().unwrap().push_str(&line);
+                }
+                line.clear();
             }
-            line.clear();
-        }
-    });
+        });
+    };
+    read(
+        Box::new(child.stderr.take().expect("stderr")),
+        Some(Arc::clone(&stderr)),
+    );
+    read(Box::new(child.stdout.take().expect("stdout")), None);
     let addr = addr_rx
         .recv_timeout(std::time::Duration::from_secs(60))
-        .expect("the follower names the address it serves");
+        .unwrap_or_else(|_| {
+            panic!(
+                "the service names the address it serves:\n{}",
+                stderr.lock().unwrap()
+            )
+        });
     (child, addr, stderr)
+}
+
+/// The metric families of a scrape, after `promtool check metrics` passed
+/// on it.
+fn checked_families(d: &Path, metrics: &str) -> Vec<String> {
+    let file = d.join("metrics.txt");
+    std::fs::write(&file, metrics).expect("metrics file");
+    let promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::fs::File::open(&file).expect("metrics file"))
+        .output()
+        .expect("promtool (Debian package prometheus, installed by scripts/setup)");
+    assert!(
+        promtool.status.success(),
+        "promtool check metrics: {}{}\n{metrics}",
+        String::from_utf8_lossy(&promtool.stdout),
+        String::from_utf8_lossy(&promtool.stderr)
+    );
+    metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| l.split_whitespace().next().expect("a name").to_owned())
+        .collect()
+}
+
+#[test]
+fn a_kafka_flow_runs_as_separate_relay_and_apply_services() {
+    let Some(broker) = trellara_tests::Broker::start() else {
+        return;
+    };
+    on_every_major(|major| split_services_on(major, &broker));
+}
+
+/// `trellara relay` (capture -> log -> topic) and `trellara apply` (topic
+/// -> target) as two processes of one Kafka flow: each serves its own
+/// endpoints and only its own series (promtool-checked, counted against
+/// the target), a second of either and a `run` beside them are refused by
+/// their target locks, and SIGTERM drains both to a verified target.
+fn split_services_on(major: Major, broker: &trellara_tests::Broker) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    let config = std::fs::read_to_string(d.join("trellara.yml")).expect("config");
+    let topic = format!("trellara-split-{}", major.number());
+    let kafka = config
+        .replace(
+            "    kind: local\n",
+            &format!(
+                "    kind: kafka\n    brokers: {}\n    topic: {topic}\n",
+                broker.bootstrap()
+            ),
+        )
+        .replace(
+            "  relay_listen: 127.0.0.1:0\n",
+            "  relay_listen: 127.0.0.1:0\n  apply_listen: 127.0.0.1:0\n",
+        );
+    assert!(kafka.contains("kind: kafka") && kafka.contains("apply_listen"));
+    std::fs::write(d.join("trellara.yml"), kafka).expect("write");
+    workload(&p.source, 1, 5);
+    let wait_until = |what: &str, ok: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+        while !ok() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{major}: never {what}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    // The applier first: it waits, not ready, until the relay has made
+    // the target ready.
+    let (mut apply, apply_addr, apply_err) =
+        spawn_service(d, &["apply", "--config", "trellara.yml"]);
+    assert_eq!(http_get(&apply_addr, "/livez").0, 200);
+    wait_until("the applier says it waits", &|| {
+        apply_err.lock().unwrap().contains("waiting for the relay")
+    });
+    assert_eq!(http_get(&apply_addr, "/readyz").0, 503);
+    let (mut relay, relay_addr, relay_err) =
+        spawn_service(d, &["relay", "--config", "trellara.yml"]);
+    assert_ne!(relay_addr, apply_addr);
+    wait_until("both ready", &|| {
+        http_get(&relay_addr, "/readyz").0 == 200 && http_get(&apply_addr, "/readyz").0 == 200
+    });
+    let orders = "SELECT count(*) FROM public.orders";
+    assert_eq!(p.target.psql_value(orders), "5", "{major}: the snapshot");
+    workload(&p.source, 100, 12);
+    wait_until("applied through the topic", &|| {
+        p.target.psql_value(orders) == "17"
+    });
+    // The gauges are read every 2 s: let a read happen after the last write.
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let (_, relay_metrics) = http_get(&relay_addr, "/metrics");
+    let (_, apply_metrics) = http_get(&apply_addr, "/metrics");
+    assert_eq!(
+        checked_families(d, &relay_metrics),
+        [
+            "trellara_captured_transactions_total",
+            "trellara_log_retained_bytes",
+            "trellara_slot_retained_wal_bytes",
+        ],
+        "{major}: the relay's series"
+    );
+    assert_eq!(
+        checked_families(d, &apply_metrics),
+        [
+            "trellara_applied_transactions_total",
+            "trellara_commit_to_apply_lag_seconds",
+            "trellara_quarantined_transactions_total",
+            "trellara_skipped_duplicate_transactions_total",
+        ],
+        "{major}: the applier's series"
+    );
+    assert!(
+        relay_metrics
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .all(|l| l.contains("service=\"relay\""))
+    );
+    assert!(
+        apply_metrics
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .all(|l| l.contains("service=\"apply\""))
+    );
+    assert_eq!(
+        p.target
+            .psql_value("SELECT transactions FROM trellara.checkpoints WHERE flow = 'shop'"),
+        "12"
+    );
+    assert_eq!(
+        metric(&relay_metrics, "trellara_captured_transactions_total"),
+        12.0
+    );
+    assert_eq!(
+        metric(&apply_metrics, "trellara_applied_transactions_total"),
+        12.0
+    );
+    assert_eq!(
+        metric(&apply_metrics, "trellara_commit_to_apply_lag_seconds_count"),
+        12.0
+    );
+    assert!(metric(&relay_metrics, "trellara_slot_retained_wal_bytes") > 0.0);
+    let (_, health) = http_get(&apply_addr, "/healthz");
+    let health: serde_json::Value = serde_json::from_str(&health).expect("healthz is JSON");
+    assert_eq!(health["service"], "apply", "{health}");
+    assert_eq!(health["flows"][0]["state"], "following", "{health}");
+
+    // Each part is one process on the target, from any host.
+    for (args, part) in [
+        (&["apply", "--config", "trellara.yml"][..], "apply"),
+        (&["relay", "--config", "trellara.yml"][..], "capture"),
+        (
+            &["run", "--config", "trellara.yml", "--local"][..],
+            "capture",
+        ),
+    ] {
+        let err = fails(&trellara(d, args), 3);
+        assert!(
+            err.contains("already running against this target")
+                && err.contains(&format!("playing its {part} part")),
+            "{major} {args:?}: {err}"
+        );
+    }
+    // SIGTERM drains both.
+    workload(&p.source, 200, 3);
+    wait_until("applied before the stop", &|| {
+        p.target.psql_value(orders) == "20"
+    });
+    let relay_status = terminate(&mut relay);
+    let apply_status = terminate(&mut apply);
+    assert!(
+        relay_status.success(),
+        "{major}: relay {relay_status}:\n{}",
+        relay_err.lock().unwrap()
+    );
+    assert!(
+        apply_status.success(),
+        "{major}: apply {apply_status}:\n{}",
+        apply_err.lock().unwrap()
+    );
+    let out = ok(
+        &trellara(d, &["verify", "--config", "trellara.yml"]),
+        "verify",
+    );
+    assert!(out.contains("shop CONVERGED"), "{major}: {out}");
 }
 
 #[test]
@@ -2554,27 +2762,9 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
     let (status, metrics) = http_get(&addr, "/metrics");
     let after: f64 = p.source.psql_value(slot_sql).parse().expect("bytes");
     assert_eq!(status, 200);
-    let file = d.join("metrics.txt");
-    std::fs::write(&file, &metrics).expect("metrics file");
-    let promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::fs::File::open(&file).expect("metrics file"))
-        .output()
-        .expect("promtool (Debian package prometheus, installed by scripts/setup)");
-    assert!(
-        promtool.status.success(),
-        "promtool check metrics: {}{}\n{metrics}",
-        String::from_utf8_lossy(&promtool.stdout),
-        String::from_utf8_lossy(&promtool.stderr)
-    );
     // Exactly the seven names, each series with exactly the three labels.
-    let names: std::collections::BTreeSet<&str> = metrics
-        .lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .map(|l| l.split_whitespace().next().expect("a name"))
-        .collect();
     assert_eq!(
-        names.into_iter().collect::<Vec<_>>(),
+        checked_families(d, &metrics),
         [
             "trellara_applied_transactions_total",
             "trellara_captured_transactions_total",
