@@ -416,34 +416,69 @@ fn config_show_and_redact_never_print_a_secret() {
 }
 
 #[test]
-fn the_systemd_unit_runs_a_command_line_the_binary_accepts() {
-    let unit = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../packaging/systemd/trellara-flow@.service"
-    ))
-    .expect("the unit");
-    let exec = unit
-        .lines()
-        .find_map(|l| l.strip_prefix("ExecStart="))
-        .expect("ExecStart");
-    assert!(unit.contains("ExecReload=/bin/kill -HUP $MAINPID"));
-    assert!(unit.contains("Restart=on-failure") && unit.contains("RestartPreventExitStatus=3"));
-    let mut words = exec.split_whitespace();
-    assert_eq!(words.next(), Some("/usr/local/bin/trellara"));
-    // The arguments as systemd passes them for trellara-flow@shop, with the
-    // config moved to a file that does not exist: a config error (exit 1),
-    // not a usage error (2).
+fn the_systemd_units_run_command_lines_the_binary_accepts() {
+    let units = concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/systemd");
+    for (unit, command) in [
+        ("trellara-flow@.service", "run"),
+        ("trellara-relay@.service", "relay"),
+        ("trellara-apply@.service", "apply"),
+    ] {
+        let text = std::fs::read_to_string(format!("{units}/{unit}")).expect("the unit");
+        let exec = text
+            .lines()
+            .find_map(|l| l.strip_prefix("ExecStart="))
+            .expect("ExecStart");
+        assert!(
+            text.contains("ExecReload=/bin/kill -HUP $MAINPID"),
+            "{unit}"
+        );
+        assert!(
+            text.contains("Restart=on-failure") && text.contains("RestartPreventExitStatus=3"),
+            "{unit}"
+        );
+        let mut words = exec.split_whitespace();
+        assert_eq!(words.next(), Some("/usr/local/bin/trellara"), "{unit}");
+        // The arguments as systemd passes them for <unit>shop, with the
+        // config moved to a file that does not exist: a config error (exit
+        // 1), not a usage error (2).
+        let dir = tempfile::tempdir().expect("tempdir");
+        let args: Vec<String> = words
+            .map(|w| match w {
+                "/etc/trellara/trellara.yml" => dir.path().join("absent.yml").display().to_string(),
+                other => other.replace("%i", "shop"),
+            })
+            .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        assert_eq!(&args[..3], [command, "--config", args[2]], "{unit}");
+        let out = trellara_in(dir.path(), &args, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{unit}: {err}");
+        assert!(err.contains("absent.yml"), "{unit}: {err}");
+    }
+}
+
+#[test]
+fn a_local_log_flow_is_not_split_into_relay_and_apply_services() {
+    // Unreachable databases: the refusal comes before anything connects.
     let dir = tempfile::tempdir().expect("tempdir");
-    let args: Vec<String> = words
-        .map(|w| match w {
-            "/etc/trellara/trellara.yml" => dir.path().join("absent.yml").display().to_string(),
-            other => other.replace("%i", "shop"),
-        })
-        .collect();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    assert_eq!(&args[..3], ["run", "--config", args[2]]);
-    let out = trellara_in(dir.path(), &args, &[]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("absent.yml"), "{err}");
+    std::fs::write(
+        dir.path().join("local.yml"),
+        "schema_version: 2\nenvironment: evaluation\nflows:\n  - name: shop\n    source: {url: postgresql://u@127.0.0.1:1/db}\n    target: {url: postgresql://u@127.0.0.1:1/t}\n    tables: [public.orders]\n    transport:\n      kind: local\n      log_dir: ./.trellara/shop\nservice:\n  relay_listen: 127.0.0.1:0\n  apply_listen: 127.0.0.1:0\n",
+    )
+    .expect("config");
+    for command in ["relay", "apply"] {
+        let out = trellara_in(dir.path(), &[command, "--config", "local.yml"], &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{command}: {err}");
+        assert!(
+            err.contains("flow shop has transport: local")
+                && err.contains("trellara run --config CONFIG --flow shop --follow"),
+            "{command}: {err}"
+        );
+        assert!(!err.contains("connect"), "{command} connected: {err}");
+    }
+    assert!(
+        !dir.path().join(".trellara").exists(),
+        "nothing written for a refused service"
+    );
 }

@@ -179,7 +179,11 @@ pub fn exit_status(err: &anyhow::Error, otherwise: u8) -> u8 {
     let blocked = err.chain().any(|cause| {
         matches!(
             cause.downcast_ref::<crate::flow::FlowError>(),
-            Some(crate::flow::FlowError::Blocked { .. } | crate::flow::FlowError::Busy { .. })
+            Some(
+                crate::flow::FlowError::Blocked { .. }
+                    | crate::flow::FlowError::Busy { .. }
+                    | crate::flow::FlowError::SplitNeedsKafka { .. }
+            )
         )
     });
     if blocked { EXIT_BLOCKED } else { otherwise }
