@@ -1667,7 +1667,8 @@ fn second_process(major: Major) {
             )
             .expect("pg_locks")
             .get(0);
-        if held == 1 {
+        // One per part of the flow: capture and apply.
+        if held == 2 {
             break;
         }
         assert!(
@@ -1731,7 +1732,7 @@ fn second_process(major: Major) {
     let holder = |target: &mut postgres::Client| -> Option<i32> {
         target
             .query_opt(
-                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted",
+                "SELECT DISTINCT pid FROM pg_locks WHERE locktype = 'advisory' AND granted",
                 &[],
             )
             .expect("pg_locks")
