@@ -230,14 +230,33 @@ pub async fn follow(
             flow: flow.name.clone(),
         });
     }
-    // The target lock, on a session of its own, and the log's lock: a
-    // round that fails leaves both held for the next, so nothing (a
-    // teardown, another run) takes the flow while this process waits to
-    // follow again. The target's first: a second process, on this host
-    // or another, is refused by it and told who holds it. The apply role
-    // has no log: it reads the topic.
+    // Held across rounds, so nothing (a teardown, another run) takes the
+    // log while this process waits to follow again, even before its
+    // target was ever reached. The apply role has no log: it reads the
+    // topic.
+    let held = match flow.log_dir().filter(|_| role.captures()) {
+        Some(dir) => Some(crate::lock::lock(dir).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::WouldBlock {
+                // Only a capturing process locks the log.
+                FlowError::Busy {
+                    flow: flow.name.clone(),
+                    holder: format!(
+                        "another trellara process on this host, playing its capture part (it holds the log {}),",
+                        dir.display()
+                    ),
+                }
+            } else {
+                FlowError::LogDir {
+                    path: dir.display().to_string(),
+                    source,
+                }
+            }
+        })?),
+        None => None,
+    };
+    // The target lock too, on a session of its own: a round that fails
+    // leaves it held for the next.
     let mut target_lock: Option<state::FlowLock> = None;
-    let mut held = None;
     loop {
         let started = std::time::Instant::now();
         if target_lock.as_ref().is_some_and(state::FlowLock::is_lost) {
@@ -246,14 +265,6 @@ pub async fn follow(
         let round = async {
             if target_lock.is_none() {
                 target_lock = Some(take_flow_lock(flow, index, role).await?);
-            }
-            if held.is_none()
-                && let Some(dir) = flow.log_dir().filter(|_| role.captures())
-            {
-                held = Some(crate::lock::lock(dir).map_err(|source| FlowError::LogDir {
-                    path: dir.display().to_string(),
-                    source,
-                })?);
             }
             if role == Role::Apply {
                 let lock = target_lock.as_ref();

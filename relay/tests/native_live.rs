@@ -852,7 +852,11 @@ fn relay_config_mode_uses_the_flow() {
         "{native}"
     );
     let external = run("external");
-    assert!(external.contains("capture: external"), "{external}");
+    assert!(
+        external.contains("flow shop has transport: local")
+            && external.contains("trellara run --config CONFIG --flow shop --follow"),
+        "{external}"
+    );
 }
 
 /// The relay's side of the socket, driven by a test client with the
