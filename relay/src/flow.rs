@@ -268,15 +268,23 @@ pub async fn follow(
             }
             if role == Role::Apply {
                 let lock = target_lock.as_ref();
-                return crate::delivery::apply_round(
+                // As run_watched does for the other roles: without its
+                // lock the round ends at once, another applier may have it.
+                let applying = crate::delivery::apply_round(
                     flow,
                     (index, config_path),
                     &shutdown,
                     lock,
                     observe.clone(),
                     progress,
-                )
-                .await;
+                );
+                return tokio::select! {
+                    biased;
+                    () = lock_lost(lock) => Err(FlowError::LockLost {
+                        flow: flow.name.clone(),
+                    }),
+                    done = applying => done,
+                };
             }
             let options = RunOptions {
                 role,
