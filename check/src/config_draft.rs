@@ -7,12 +7,17 @@
 //!   `TRELLARA_SOURCE_DATABASE_URL` and `TRELLARA_TARGET_DATABASE_URL`
 //!   (`environment: production`).
 //! - It is a valid schema v2 config (`trellara check --config` passes it):
-//!   one flow over the assessed tables, `capture: external`, the local log.
+//!   one flow over the assessed tables, `capture: external`, the local log,
+//!   written by serialising the relay's own config model.
 //!   Without a table there is no flow, so no draft.
 
 use crate::report::{Report, Verdict};
 use std::fmt::Write as _;
 use std::path::Path;
+use trellara_common::config::{
+    self, CapturePath, Config, Environment, Flow, SecretRef, ServiceConfig, Source, Target,
+    Transport,
+};
 
 /// The environment variable the draft points the source at.
 pub const SOURCE_URL_ENV: &str = "TRELLARA_SOURCE_DATABASE_URL";
@@ -29,6 +34,10 @@ pub enum DraftError {
         "not writing a config: a flow needs its tables\nhint: pass --table schema.name (repeat for more)"
     )]
     NoTables,
+    #[error("not writing a config: it would be invalid:\n{0}")]
+    Invalid(String),
+    #[error("could not write the draft")]
+    Yaml(#[source] config::ConfigError),
     #[error("could not write {path}")]
     Write {
         path: String,
@@ -57,6 +66,39 @@ pub fn draft(report: &Report, tables: &[String]) -> Result<String, DraftError> {
         return Err(DraftError::NoTables);
     }
     let flow = flow_name(&report.facts.server.database);
+    let reference = |var: &str| SecretRef {
+        url_env: Some(var.to_owned()),
+        ..SecretRef::default()
+    };
+    let config = Config {
+        schema_version: config::SCHEMA_VERSION,
+        environment: Environment::Production,
+        flows: vec![Flow {
+            source: Source {
+                url: reference(SOURCE_URL_ENV),
+                source_id: None,
+                slot: None,
+                publication: None,
+            },
+            target: Target {
+                url: reference(TARGET_URL_ENV),
+                throwaway: None,
+            },
+            tables: tables.iter().map(|t| t.trim().to_owned()).collect(),
+            capture: CapturePath::External,
+            transport: Transport::Local {
+                log_dir: format!("./.trellara/{flow}/log").into(),
+                retention_mib: config::DEFAULT_RETENTION_MIB,
+            },
+            name: flow,
+        }],
+        service: ServiceConfig::default(),
+    };
+    let issues = config::validate(&config);
+    if !issues.is_empty() {
+        let list: Vec<String> = issues.iter().map(|i| format!("  {i}")).collect();
+        return Err(DraftError::Invalid(list.join("\n")));
+    }
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -69,22 +111,7 @@ pub fn draft(report: &Report, tables: &[String]) -> Result<String, DraftError> {
         out,
         "# Export {SOURCE_URL_ENV} and {TARGET_URL_ENV}, then: trellara preflight --config <this file>"
     );
-    let _ = writeln!(out, "schema_version: 2");
-    let _ = writeln!(out, "environment: production");
-    let _ = writeln!(out, "flows:");
-    let _ = writeln!(out, "  - name: {flow}");
-    let _ = writeln!(out, "    source:");
-    let _ = writeln!(out, "      url_env: {SOURCE_URL_ENV}");
-    let _ = writeln!(out, "    target:");
-    let _ = writeln!(out, "      url_env: {TARGET_URL_ENV}");
-    let _ = writeln!(out, "    tables:");
-    for t in tables {
-        let _ = writeln!(out, "      - {}", yaml_scalar(t.trim()));
-    }
-    let _ = writeln!(out, "    capture: external");
-    let _ = writeln!(out, "    transport:");
-    let _ = writeln!(out, "      kind: local");
-    let _ = writeln!(out, "      log_dir: ./.trellara/{flow}/log");
+    out.push_str(&config::to_yaml(&config).map_err(DraftError::Yaml)?);
     Ok(out)
 }
 
@@ -116,29 +143,4 @@ pub fn write(report: &Report, tables: &[String], path: &Path) -> Result<(), Draf
         path: path.display().to_string(),
         source,
     })
-}
-
-/// A YAML scalar: plain when safe, double-quoted otherwise.
-fn yaml_scalar(s: &str) -> String {
-    let plain = !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
-        && !s.starts_with(['-', '.']);
-    if plain {
-        s.to_owned()
-    } else {
-        format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn scalars() {
-        assert_eq!(super::yaml_scalar("public.orders"), "public.orders");
-        assert_eq!(
-            super::yaml_scalar("public.\"Odd\""),
-            "\"public.\\\"Odd\\\"\""
-        );
-    }
 }

@@ -43,15 +43,8 @@ fn main() -> ExitCode {
     ExitCode::from(run(args) as u8)
 }
 
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    redact(&text)
+fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    redact(&trellara_common::errors::chain(err))
 }
 
 fn run(args: Args) -> i32 {

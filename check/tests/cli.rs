@@ -117,15 +117,34 @@ fn binary_on_a_live_server() {
     assert_eq!(v["settings"]["wal_level"], "logical");
     assert_eq!(v["server"]["transaction_read_only"], true);
     let config = std::fs::read_to_string(&config_path).expect("config draft written");
-    assert!(config.contains("schema_version: 2"), "{config}");
+    assert!(!config.contains("sekret") && !config.contains("postgresql://"));
+    // The relay's own model reads it back, and finds nothing to fix.
+    let draft = trellara_common::config::parse(&config).expect("the draft parses");
     assert!(
-        config.contains("url_env: TRELLARA_SOURCE_DATABASE_URL")
-            && config.contains("url_env: TRELLARA_TARGET_DATABASE_URL"),
+        trellara_common::config::validate(&draft).is_empty(),
         "{config}"
     );
-    assert!(config.contains("      - public.items"), "{config}");
-    assert!(config.contains("capture: external") && config.contains("kind: local"));
-    assert!(!config.contains("sekret") && !config.contains("postgresql://"));
+    let flow = &draft.flows[0];
+    assert_eq!(
+        draft.environment,
+        trellara_common::config::Environment::Production
+    );
+    assert_eq!(
+        flow.source.url.url_env.as_deref(),
+        Some(SOURCE_URL_ENV),
+        "{config}"
+    );
+    assert_eq!(
+        flow.target.url.url_env.as_deref(),
+        Some("TRELLARA_TARGET_DATABASE_URL"),
+        "{config}"
+    );
+    assert_eq!(flow.tables, ["public.items"]);
+    assert_eq!(flow.capture, trellara_common::config::CapturePath::External);
+    assert_eq!(
+        flow.log_dir(),
+        Some(Path::new(&format!("./.trellara/{}/log", flow.name)))
+    );
 
     // Blocked: exit 3, no config, the blocker named.
     let blocked_config = dir.path().join("blocked.yml");

@@ -48,7 +48,7 @@ pub enum EnvelopeError {
     ChecksumMismatch { stored: u64, computed: u64 },
     #[error("envelope has no checksum trailer (expected field 13 as its last 9 bytes)")]
     MissingChecksum,
-    #[error("envelope bytes are not valid protobuf: {0}")]
+    #[error("envelope bytes are not valid protobuf")]
     Malformed(#[from] prost::DecodeError),
     #[error("envelope has no {0}")]
     MissingField(&'static str),

@@ -1,12 +1,18 @@
 //! Shared by every Trellara crate: the envelope v1 wire contract
 //! ([`envelope`]), log sequence numbers ([`lsn`]), pinned schema
 //! fingerprints ([`fingerprint`]), the native extension's frames
-//! ([`native_frame`]) and socket protocol ([`native_wire`]), files only
-//! their owner may read ([`owner_only`]), and table names as SQL spells
-//! them ([`table_name`]).
+//! ([`native_frame`]) and socket protocol ([`native_wire`]), the
+//! `trellara.yml` model ([`config`]), files only their owner may read
+//! ([`owner_only`]), secrets kept out of messages ([`redact`]), table
+//! names as SQL spells them ([`table_name`]), replication slot names
+//! ([`slot_name`]), and the one way a failure
+//! prints with its causes ([`errors`]).
 
+#[cfg(feature = "config")]
+pub mod config;
 #[cfg(feature = "envelope")]
 pub mod envelope;
+pub mod errors;
 #[cfg(feature = "envelope")]
 pub mod fingerprint;
 pub mod lsn;
@@ -15,8 +21,10 @@ pub mod native_frame;
 #[cfg(feature = "envelope")]
 pub mod native_wire;
 pub mod owner_only;
+pub mod redact;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod sample;
+pub mod slot_name;
 pub mod table_name;
 
 pub use lsn::Lsn;

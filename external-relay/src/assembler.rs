@@ -94,13 +94,13 @@ pub enum AssemblyError {
     UnknownStream { xid: u32 },
     #[error("text value of {relation}.{column} is not UTF-8; Trellara requires UTF8 databases")]
     NotUtf8 { relation: String, column: String },
-    #[error("spilling transaction {xid} to disk failed: {source}")]
+    #[error("spilling transaction {xid} to disk failed")]
     Spill {
         xid: u32,
         #[source]
         source: std::io::Error,
     },
-    #[error("assembled envelope for transaction {xid} is invalid: {source}")]
+    #[error("assembled envelope for transaction {xid} is invalid")]
     Invalid {
         xid: u32,
         #[source]

@@ -35,7 +35,7 @@ pub enum WireError {
     #[error("connection string: {0}")]
     Config(String),
     /// `to`: `host:port`, or the Unix socket's path.
-    #[error("connect to {to}: {source}")]
+    #[error("connect to {to}")]
     Connect {
         to: String,
         #[source]
@@ -45,7 +45,7 @@ pub enum WireError {
     Tls(String),
     #[error("authentication: {0}")]
     Auth(String),
-    #[error("connection I/O: {0}")]
+    #[error("connection I/O")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Server(#[from] PgError),

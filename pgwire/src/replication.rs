@@ -43,12 +43,7 @@ pub struct SlotInfo {
 
 /// Slot names the server accepts: lower-case letters, digits, underscore.
 pub fn validate_slot_name(name: &str) -> Result<(), WireError> {
-    if name.is_empty()
-        || name.len() > 63
-        || !name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
-    {
+    if !trellara_common::slot_name::is_valid(name) {
         return Err(WireError::Config(format!(
             "slot name {name:?} is invalid: use 1-63 lower-case letters, digits and underscores"
         )));

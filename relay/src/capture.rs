@@ -94,10 +94,10 @@ pub enum CaptureError {
     Assembly(#[from] AssemblyError),
     #[error(transparent)]
     Log(#[from] crate::log::Error),
-    #[error("pgoutput: {0}")]
+    #[error("pgoutput")]
     Decode(#[from] pgoutput::DecodeError),
     #[error(
-        "the log's last record at offset {offset} is not a valid envelope: {source}\nhint: inspect it with `trellara log inspect --dir {dir} --verify`"
+        "the log's last record at offset {offset} is not a valid envelope\nhint: inspect it with `trellara log inspect --dir {dir} --verify`"
     )]
     BadTail {
         offset: u64,

@@ -26,18 +26,18 @@ use trellara_external_relay::pgoutput::ProtoVersion;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FlowError {
-    #[error("{0}")]
+    #[error(transparent)]
     Config(#[from] crate::config::ConfigIssue),
-    #[error("throwaway target: {0}")]
+    #[error("throwaway target")]
     Throwaway(#[from] crate::throwaway::ThrowawayError),
-    #[error("connect to the {side} database ({target}): {source}")]
+    #[error("connect to the {side} database ({target})")]
     Connect {
         side: &'static str,
         target: String,
         #[source]
         source: tokio_postgres::Error,
     },
-    #[error("target database: {0}")]
+    #[error("target database")]
     Target(#[from] tokio_postgres::Error),
     #[error(transparent)]
     Snapshot(#[from] snapshot::SnapshotError),
@@ -110,7 +110,7 @@ pub enum FlowError {
         "flow {flow} has transport: local, and only a Kafka transport splits a flow into `trellara relay` and `trellara apply` services; nothing was started\nhint: run both parts in one process with `trellara run --config CONFIG --flow {flow} --follow`, or give the flow transport: kafka"
     )]
     SplitNeedsKafka { flow: String },
-    #[error("log directory {path}: {source}")]
+    #[error("log directory {path}")]
     LogDir {
         path: String,
         #[source]
@@ -416,7 +416,7 @@ pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError>
         .map_err(|e| FlowError::Url {
             side,
             target: redact(url),
-            message: e.to_string(),
+            message: crate::errors::chain_of(&e),
         })?;
     // tokio-postgres bounds only the TCP connect by connect_timeout: the
     // whole startup is, so a peer that accepts and never answers is an error.
@@ -937,7 +937,7 @@ async fn run_round<W: Watch>(
                 target,
                 &flow.name,
                 SnapshotState::FailedRecoverable,
-                Some(&err.to_string()),
+                Some(&crate::errors::chain_of(&err)),
             )
             .await?;
             return Err(err.into());

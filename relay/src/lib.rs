@@ -1,11 +1,14 @@
-//! The relay: the `trellara` CLI ([`cli`]) and the durable segment log
-//! ([`log`]) the relay publishes into before acknowledging the source.
-//! Transports, the applier and verification arrive with their issues.
+//! The relay: the `trellara` CLI ([`cli`]), capture ([`capture`],
+//! [`native`]), the durable segment log ([`log`]) it writes before
+//! acknowledging the source, transports ([`transport`]), the applier
+//! ([`apply`]), verification ([`verify`]) and the flow that composes them
+//! ([`flow`]). The config model is shared with the grader
+//! ([`config`], from `trellara-common`).
 
 pub mod apply;
 pub mod capture;
 pub mod cli;
-pub mod config;
+pub use trellara_common::config;
 pub mod crash;
 pub mod delivery;
 pub mod errors;

@@ -24,6 +24,7 @@
 
 use crate::capture::{SOURCE_ACK, read_resume};
 use crate::crash::{CrashHooks, CrashPoint, NoCrash};
+use crate::errors::Chain;
 use crate::log::CursorPosition;
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
@@ -79,7 +80,7 @@ pub enum NativeError {
         "another relay is listening on {path}\nhint: one relay serves one socket; stop the other one"
     )]
     InUse { path: String },
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Io {
         context: String,
         #[source]
@@ -412,7 +413,8 @@ where
                 }
             }
             Err(e) => {
-                return Err(reject(config, &mut write, &frame, &e.to_string(), stats).await);
+                let reason = Chain(&e).to_string();
+                return Err(reject(config, &mut write, &frame, &reason, stats).await);
             }
         }
         frame.resize(native_frame::HEADER_LEN, 0);
@@ -428,9 +430,12 @@ where
         }
         let header = match FrameHeader::parse(&frame) {
             Ok((header, _)) => header,
-            Err(e) => return Err(reject(config, &mut write, &frame, &e.to_string(), stats).await),
+            Err(e) => {
+                let reason = Chain(&e).to_string();
+                return Err(reject(config, &mut write, &frame, &reason, stats).await);
+            }
         };
-        let complete = reassembler.push(&frame).map_err(|e| e.to_string());
+        let complete = reassembler.push(&frame).map_err(|e| Chain(&e).to_string());
         let envelope_bytes = match complete {
             Ok(None) => None,
             Ok(Some(bytes)) => Some(bytes),
@@ -442,7 +447,11 @@ where
             let env = match envelope::decode(&bytes) {
                 Ok(env) => env,
                 Err(e) => {
-                    let reason = format!("envelope at commit LSN {}: {e}", Lsn(header.commit_lsn));
+                    let reason = format!(
+                        "envelope at commit LSN {}: {}",
+                        Lsn(header.commit_lsn),
+                        Chain(&e)
+                    );
                     return Err(reject(config, &mut write, &bytes, &reason, stats).await);
                 }
             };

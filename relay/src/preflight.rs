@@ -165,7 +165,7 @@ pub async fn assess(
         };
         let (ok, detail) = match crate::identity::check_dir(dir, &owner) {
             Ok(()) => (true, format!("{} is this flow's", dir.display())),
-            Err(e) => (false, e.to_string()),
+            Err(e) => (false, crate::errors::chain_of(&e)),
         };
         found.push(finding(
             "log",

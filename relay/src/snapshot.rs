@@ -26,6 +26,7 @@
 
 use crate::config::{Flow, quote_table};
 use crate::crash::{CrashHooks, CrashPoint, NoCrash};
+use crate::errors::Chain;
 use crate::state::SnapshotState;
 use futures_util::{SinkExt, StreamExt};
 use std::time::{Duration, Instant};
@@ -35,11 +36,11 @@ use trellara_external_relay::pgwire::{self, ConnectOptions, Connection};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
-    #[error("target database: {0}")]
+    #[error("target database")]
     Target(#[source] tokio_postgres::Error),
-    #[error("source database: {0}")]
+    #[error("source database")]
     Source(#[source] tokio_postgres::Error),
-    #[error("source replication session: {0}")]
+    #[error("source replication session")]
     Wire(#[from] pgwire::WireError),
     #[error("table {table}: {problem}\nhint: {hint}")]
     Table {
@@ -973,7 +974,8 @@ impl SnapshotIo for PgSnapshot<'_> {
             Ok(source) => source,
             Err(e) => {
                 removed.push(format!(
-                    "could not remove what this run created on the source ({e})\nhint: trellara teardown --config ... removes it"
+                    "could not remove what this run created on the source ({})\nhint: trellara teardown --config ... removes it",
+                    Chain(&e)
                 ));
                 return removed;
             }
@@ -986,7 +988,8 @@ impl SnapshotIo for PgSnapshot<'_> {
                 )),
                 Ok(false) => {}
                 Err(e) => removed.push(format!(
-                    "could not drop slot {slot} that this run created: {e}\nhint: trellara teardown --config ... removes it"
+                    "could not drop slot {slot} that this run created: {}\nhint: trellara teardown --config ... removes it",
+                    Chain(&e)
                 )),
             }
         }
@@ -1000,7 +1003,8 @@ impl SnapshotIo for PgSnapshot<'_> {
                     "dropped publication {publication}, created by this run"
                 )),
                 Err(e) => removed.push(format!(
-                    "could not drop publication {publication} that this run created: {e}"
+                    "could not drop publication {publication} that this run created: {}",
+                    Chain(&e)
                 )),
             }
         }

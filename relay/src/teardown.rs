@@ -279,7 +279,7 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
         // to remove.
         let owner = crate::flow::log_owner(flow, source)
             .await
-            .map_err(|e| TeardownError::Owner(e.to_string()))?;
+            .map_err(|e| TeardownError::Owner(crate::errors::chain_of(&e)))?;
         match crate::identity::check_dir(dir, &owner) {
             Ok(()) => steps.push(Step::LogDirectory {
                 path: dir.display().to_string(),

@@ -60,7 +60,7 @@ pub enum ThrowawayError {
     NoOsUser,
     #[error("{what}: {detail}")]
     Command { what: String, detail: String },
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         path: String,
         #[source]

@@ -100,9 +100,9 @@ impl Verdict {
 
 #[derive(Debug, thiserror::Error)]
 pub enum VerifyError {
-    #[error("source database: {0}")]
+    #[error("source database")]
     Source(#[source] tokio_postgres::Error),
-    #[error("target database: {0}")]
+    #[error("target database")]
     Target(#[source] tokio_postgres::Error),
     #[error(transparent)]
     Log(#[from] crate::log::Error),
@@ -119,9 +119,7 @@ pub enum VerifyError {
         message: String,
         hint: String,
     },
-    #[error(
-        "lock the log directory {path} to read it: {source}; check that this user may write there"
-    )]
+    #[error("lock the log directory {path} to read it\nhint: check that this user may write there")]
     LogLock {
         path: String,
         #[source]

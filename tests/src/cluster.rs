@@ -843,15 +843,8 @@ fn tail(text: &str, lines: usize) -> String {
 
 /// `err: cause: cause...`: an error with its whole source chain, for panic messages
 /// (`postgres::Error` alone displays as just "db error").
-pub fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    trellara_common::errors::chain(err)
 }
 
 #[cfg(test)]

@@ -51,7 +51,7 @@ pub enum ApplyError {
         reason: String,
         recovery: String,
     },
-    #[error("target database: {0}")]
+    #[error("target database")]
     Target(#[from] TargetError),
     #[error(transparent)]
     Log(#[from] crate::log::Error),

@@ -100,15 +100,8 @@ fn show(path: &std::path::Path, only: Option<&str>, format: Format) -> anyhow::R
 fn redact(path: &std::path::Path) -> anyhow::Result<ExitCode> {
     // The file as written (relative paths stay relative), not as loaded.
     let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
-    let mut parsed: Config =
+    let parsed: Config =
         config::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    for flow in &mut parsed.flows {
-        for secret in [&mut flow.source.url, &mut flow.target.url] {
-            if let Some(url) = &mut secret.url {
-                *url = trellara_check::redact(url);
-            }
-        }
-    }
-    out!("{}", serde_yaml_ng::to_string(&parsed)?);
+    out!("{}", config::to_yaml(&parsed.redacted())?);
     Ok(ExitCode::SUCCESS)
 }

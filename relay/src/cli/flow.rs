@@ -241,7 +241,7 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
         anyhow::bail!("the config would be invalid:\n{}", list.join("\n"));
     }
     config::canonical_tables(&mut config.flows[0]);
-    let yaml = serde_yaml_ng::to_string(&config).context("serialize config")?;
+    let yaml = config::to_yaml(&config)?;
     let made = match &throwaway {
         Some(relative) => {
             let base = std::path::absolute(
@@ -408,13 +408,7 @@ fn grade(url: &str, request: &trellara_check::Request, format: &str) -> anyhow::
             Ok(ExitCode::from(report.exit_code() as u8))
         }
         Err(err) => {
-            let mut message = err.to_string();
-            let mut source = std::error::Error::source(&err);
-            while let Some(s) = source {
-                message.push_str(&format!(": {s}"));
-                source = s.source();
-            }
-            errln!("error: {message}");
+            errln!("error: {}", crate::errors::chain_of(&err));
             Ok(ExitCode::from(err.exit_code() as u8))
         }
     }

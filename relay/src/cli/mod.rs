@@ -277,25 +277,3 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
          hint: see docs/CLI.md for what is built"
     )
 }
-
-#[cfg(test)]
-mod tests {
-    #[derive(Debug, thiserror::Error)]
-    #[error("connect to /run/pg/.s.PGSQL.1: {source}")]
-    struct Connect {
-        #[source]
-        source: std::io::Error,
-    }
-
-    #[test]
-    fn a_cause_already_printed_is_not_repeated() {
-        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
-        let err = anyhow::Error::new(Connect { source: io }).context("preflight flow main");
-        assert_eq!(
-            super::chain(&err),
-            "preflight flow main: connect to /run/pg/.s.PGSQL.1: No such file or directory"
-        );
-        let plain = anyhow::anyhow!("inner").context("outer");
-        assert_eq!(super::chain(&plain), "outer: inner");
-    }
-}

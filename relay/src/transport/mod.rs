@@ -21,7 +21,7 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
     #[error(
-        "kafka ({brokers}, topic {topic}): {source}\nhint: check transport.brokers and that the broker is up"
+        "kafka ({brokers}, topic {topic})\nhint: check transport.brokers and that the broker is up"
     )]
     Kafka {
         brokers: String,

@@ -9,9 +9,9 @@
 //!   environment variable or an absolute file path. Resolved URLs are never
 //!   printed; [`SecretRef`]'s Debug and Display redact them.
 
+use crate::table_name::TableName;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use trellara_common::table_name::TableName;
 
 pub const SCHEMA_VERSION: u32 = 2;
 
@@ -125,7 +125,7 @@ pub struct Target {
     #[serde(flatten)]
     pub url: SecretRef,
     /// A throwaway local cluster `init --evaluate` made in this directory
-    /// (relative: to the config file's) instead of a URL (crate::throwaway).
+    /// (relative: to the config file's) instead of a URL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throwaway: Option<PathBuf>,
 }
@@ -459,12 +459,10 @@ impl std::error::Error for ConfigIssue {}
 /// Why a config file could not be used at all.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error(
-        "cannot read config {path}: {source}\nhint: create one with `trellara init ... --evaluate`"
-    )]
+    #[error("cannot read config {path}\nhint: create one with `trellara init ... --evaluate`")]
     Read {
         path: String,
-        // In the message, before its hint; not also a cause to print again.
+        #[source]
         source: std::io::Error,
     },
     #[error("{path}: {message}")]
@@ -474,6 +472,8 @@ pub enum ConfigError {
         path: String,
         issues: Vec<ConfigIssue>,
     },
+    #[error("cannot write the config as YAML")]
+    Yaml(#[source] serde_yaml_ng::Error),
 }
 
 /// Parses and validates; relative log directories resolve against the
@@ -522,6 +522,28 @@ pub fn canonical_tables(flow: &mut Flow) {
     }
 }
 
+/// The config as YAML that [`parse`] reads back to the same model. Fails
+/// only on a path that is not UTF-8.
+pub fn to_yaml(config: &Config) -> Result<String, ConfigError> {
+    serde_yaml_ng::to_string(config).map_err(ConfigError::Yaml)
+}
+
+impl Config {
+    /// A copy to share: each inline URL with its password redacted. A
+    /// reference (`url_env`, `url_file`) names where the secret is, not it.
+    pub fn redacted(&self) -> Config {
+        let mut copy = self.clone();
+        for flow in &mut copy.flows {
+            for secret in [&mut flow.source.url, &mut flow.target.url] {
+                if let Some(url) = &mut secret.url {
+                    *url = crate::redact::redact(url);
+                }
+            }
+        }
+        copy
+    }
+}
+
 pub fn parse(text: &str) -> Result<Config, String> {
     serde_yaml_ng::from_str(text).map_err(|e| {
         format!(
@@ -552,7 +574,7 @@ fn scrub(message: &str) -> String {
             out.push(c);
         }
     }
-    trellara_check::redact(&out)
+    crate::redact::redact(&out)
 }
 
 fn valid_name(name: &str) -> bool {
@@ -721,7 +743,7 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
             ("source.publication", &flow.source.publication),
         ] {
             if let Some(v) = value
-                && trellara_external_relay::pgwire::validate_slot_name(v).is_err()
+                && !crate::slot_name::is_valid(v)
             {
                 issue(
                     at(field),
