@@ -147,6 +147,27 @@ impl Connection {
         })
     }
 
+    /// A temporary slot (gone when this session ends, however it ends)
+    /// that exports its snapshot: a consistent point and the snapshot of
+    /// exactly what committed before it, for a copy at a boundary of its
+    /// own. pgoutput, which every server has; nothing is ever streamed
+    /// from it.
+    pub async fn create_temporary_slot(&mut self, name: &str) -> Result<SlotCreated, WireError> {
+        validate_slot_name(name)?;
+        let sql = format!(
+            "CREATE_REPLICATION_SLOT {name} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"
+        );
+        let rows = self.simple_query(&sql).await?;
+        let row = rows
+            .first()
+            .ok_or_else(|| WireError::Protocol("CREATE_REPLICATION_SLOT returned no row".into()))?;
+        Ok(SlotCreated {
+            slot_name: row.get("slot_name").unwrap_or(name).to_owned(),
+            consistent_point: lsn(row.get("consistent_point"), "consistent_point")?,
+            snapshot_name: row.get("snapshot_name").map(str::to_owned),
+        })
+    }
+
     pub async fn drop_slot(&mut self, name: &str) -> Result<(), WireError> {
         validate_slot_name(name)?;
         self.simple_query(&format!("DROP_REPLICATION_SLOT {name} WAIT"))

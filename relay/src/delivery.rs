@@ -22,7 +22,6 @@ use crate::service::Observer;
 use crate::transport::TransportError;
 use crate::transport::kafka::{Feed, KafkaTarget, Publisher};
 use std::time::Duration;
-use trellara_common::Lsn;
 
 /// Where the applier reads the flow's transactions from.
 #[derive(Debug)]
@@ -167,14 +166,7 @@ async fn applied_all_published(
     else {
         return Ok(true);
     };
-    let applied: Option<Lsn> = applier
-        .client()
-        .query_opt(
-            "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1",
-            &[&flow],
-        )
-        .await?
-        .and_then(|r| r.get::<_, String>(0).parse().ok());
+    let applied = crate::state::checkpoint::applied(applier.client(), flow).await?;
     Ok(applied.is_some_and(|a| a.0 >= published))
 }
 

@@ -18,6 +18,7 @@ use crate::snapshot::{self, SnapshotReport};
 use crate::state::{self, SnapshotState};
 use crate::transport::kafka::Publisher;
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_postgres::Client;
@@ -69,17 +70,6 @@ pub enum FlowError {
     },
     #[error(transparent)]
     NativeRelay(#[from] crate::native::NativeError),
-    #[error(
-        "flow {flow}: {tables} joined the flow after its snapshot, so {it} never copied and cannot just be streamed\nhint: trellara reseed --config {config} --flow {flow} (a new boundary; every table is copied again)"
-    )]
-    TablesAdded {
-        flow: String,
-        tables: String,
-        it: &'static str,
-        config: String,
-    },
-    #[error("{what} reads {text:?}, not an LSN")]
-    BadLsn { what: String, text: String },
     #[error(
         "refused by preflight's checks; nothing was created or changed on the source or the target:\n{}\nhint: trellara preflight --config {config} shows every check",
         blockers.iter().map(|b| format!("  - {b}")).collect::<Vec<_>>().join("\n")
@@ -257,11 +247,37 @@ pub async fn follow(
     // The target lock too, on a session of its own: a round that fails
     // leaves it held for the next.
     let mut target_lock: Option<state::FlowLock> = None;
+    // A reload that changes the tables ends the capturing round; the next
+    // starts with them. The apply role reads them from the target's state.
+    let mut reloaded = observe
+        .as_ref()
+        .filter(|_| role.captures())
+        .map(|o| o.live.tables());
+    let mut current = flow.clone();
+    // The tables before a live change, until a round with the new ones
+    // has started well: a change that fails is undone.
+    let mut before: Option<Vec<String>> = None;
     loop {
         let started = std::time::Instant::now();
         if target_lock.as_ref().is_some_and(state::FlowLock::is_lost) {
             target_lock = None;
         }
+        let flow = &current;
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        let stopping = async {
+            let mut shutdown = shutdown.clone();
+            tokio::select! {
+                _ = shutdown.wait_for(|stop| *stop) => {}
+                () = async {
+                    match reloaded.as_mut() {
+                        Some(rx) => { let _ = rx.changed().await; }
+                        None => std::future::pending().await,
+                    }
+                } => {}
+            }
+            let _ = stop_tx.send(true);
+            std::future::pending::<()>().await;
+        };
         let round = async {
             if target_lock.is_none() {
                 target_lock = Some(take_flow_lock(flow, index, role).await?);
@@ -273,7 +289,7 @@ pub async fn follow(
                 let applying = crate::delivery::apply_round(
                     flow,
                     (index, config_path),
-                    &shutdown,
+                    &stop,
                     lock,
                     observe.clone(),
                     progress,
@@ -291,23 +307,60 @@ pub async fn follow(
                 follow: true,
                 until: None,
                 watch: &mut NoWatch,
-                shutdown: Some(shutdown.clone()),
+                shutdown: Some(stop.clone()),
                 locked: held.is_some(),
                 observe: observe.clone(),
                 target_lock: target_lock.as_ref(),
             };
             run_watched(flow, index, config_path, options, progress).await
         };
-        match round.await {
+        let outcome = tokio::select! {
+            outcome = round => outcome,
+            () = stopping => unreachable!("stopping never resolves"),
+        };
+        let changed = reloaded.as_ref().and_then(|rx| rx.borrow().clone());
+        let next_tables = changed.filter(|t| *t != current.tables);
+        match outcome {
+            // A reload ended the round, not a signal.
+            Ok(done) if *stop.borrow() && !*shutdown.borrow() => {
+                total.add(done);
+                if let Some(tables) = next_tables {
+                    before = Some(std::mem::replace(&mut current.tables, tables));
+                    progress(&format!(
+                        "reload: the round ends; the next follows {}",
+                        current.tables.join(", ")
+                    ));
+                }
+                delay = TUNING.retry_first;
+            }
             Ok(done) => {
                 report(FlowState::Stopped, None);
                 total.add(done);
                 return Ok(total);
             }
+            Err(
+                e @ (FlowError::Blocked { .. }
+                | FlowError::Preflight { .. }
+                | FlowError::Snapshot(_)),
+            ) if !*shutdown.borrow()
+                && let Some(tables) = before.take() =>
+            {
+                // The new tables could not be followed (a check refused
+                // one, or its copy failed): the flow goes on as it was.
+                report(FlowState::Retrying, Some(&e));
+                progress(&format!(
+                    "reload: refused, the flow goes on with its tables as they were ({}): {}",
+                    tables.join(", "),
+                    crate::errors::chain(&anyhow::Error::new(e))
+                ));
+                current.tables = tables;
+            }
             Err(e) if e.retryable() && !*shutdown.borrow() => {
                 report(FlowState::Retrying, Some(&e));
                 if started.elapsed() >= TUNING.retry_reset {
                     delay = TUNING.retry_first;
+                    // A round that ran this long followed its tables.
+                    before = None;
                 }
                 progress(&format!(
                     "{}; following again in {} s",
@@ -468,16 +521,10 @@ pub const CATALOG_TIMEOUT: Duration = Duration::from_secs(30);
 /// The fingerprints the flow's snapshot copied its tables at (the tables'
 /// `namespace.name`), for capture to pin.
 async fn snapshot_pins(target: &Client, flow: &str) -> Result<HashMap<String, u64>, FlowError> {
-    let rows = target
-        .query(
-            "SELECT table_name, fingerprint FROM trellara.snapshot_tables
-             WHERE flow = $1 AND fingerprint IS NOT NULL",
-            &[&flow],
-        )
-        .await?;
-    Ok(rows
-        .iter()
-        .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1) as u64))
+    Ok(crate::state::runs::tables(target, flow)
+        .await?
+        .into_iter()
+        .filter_map(|t| Some((t.name, t.fingerprint?)))
         .collect())
 }
 
@@ -723,6 +770,160 @@ async fn run_round<W: Watch>(
         }
     };
     health(FlowState::Starting);
+    let Sessions {
+        source_url,
+        source,
+        target,
+        owner,
+        log_dir,
+        _log_lock,
+    } = open_sessions(
+        flow,
+        index,
+        config_path,
+        role,
+        target_lock.is_some(),
+        locked,
+        progress,
+    )
+    .await?;
+    let mut report = RunReport {
+        flow: flow.name.clone(),
+        ..RunReport::default()
+    };
+    let stop = shutdown.clone().filter(|_| follow);
+    let boundary = Boundary {
+        flow,
+        source_url: &source_url,
+        log_dir: &log_dir,
+        stop,
+        follow,
+    };
+    match ensure_boundary(boundary, &source, &target, &health, progress).await? {
+        Start::Snapshotted(copied) => {
+            report.snapshot = Some(copied);
+            health(FlowState::Starting);
+        }
+        Start::Resumed => {}
+        Start::Stopped => return Ok(report),
+    }
+
+    // Capture until everything committed before now is durable, however
+    // it was committed (crate::horizon).
+    let goal = crate::horizon::last_record_end(&source).await?;
+    let floor = checkpoint_floor(&target, &flow.name).await?;
+    let (tx, rx) = tokio::sync::watch::channel(Lsn::ZERO);
+    let tx = Arc::new(tx);
+    let begun = Arc::new(tokio::sync::Notify::new());
+    let capture_from = CaptureFrom {
+        flow,
+        index,
+        source_url: &source_url,
+        log_dir: &log_dir,
+        floor,
+        pinned: snapshot_pins(&target, &flow.name).await?,
+    };
+    let config = capture_config(capture_from, &tx, &begun, observe.clone())?;
+    progress(&if follow {
+        format!("capture: following slot {} until SIGTERM", flow.slot())
+    } else {
+        format!("capture: streaming slot {} until {goal}", flow.slot())
+    });
+    // Capture and apply run together on one log: the applier takes what
+    // is durable while capture continues, and finishes after capture stops.
+    let log = open_log(flow, &log_dir, &owner, progress)?;
+    let (failed_tx, failed_rx) = tokio::sync::watch::channel(false);
+    let (done_tx, done_rx) = tokio::sync::watch::channel(false);
+    let stop = capture_stop(
+        follow.then_some(Following { shutdown, until }),
+        goal,
+        rx,
+        failed_rx,
+    );
+    let capture = async {
+        let result = match flow.capture {
+            CapturePath::External => capture::run_on(config, &log, stop)
+                .await
+                .map_err(FlowError::from),
+            CapturePath::Native => {
+                let native = NativeRun {
+                    log_dir: &log_dir,
+                    progress: tx,
+                    begun: Arc::clone(&begun),
+                    floor,
+                    observe: observe.clone(),
+                };
+                native_capture(flow, &source, &log, native, stop).await
+            }
+        };
+        let _ = done_tx.send(true);
+        result
+    };
+    let mut stage = open_stage(flow, role, target, config_path, observe.as_ref(), progress).await?;
+    let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
+    let apply = async {
+        let signals = Signals {
+            captured: done_rx.clone(),
+            begun: &begun,
+            observe: observe.as_ref(),
+            tuning: &TUNING,
+        };
+        let result = stage.run(&log, &flow.name, signals).await;
+        if result.is_err() {
+            // Capture stops too.
+            let _ = failed_tx.send(true);
+        }
+        let _ = applied_tx.send(true);
+        result
+    };
+    let gauges_rx = applied_rx.clone();
+    let gauges = async {
+        if let Some(o) = &observe {
+            gauges(flow, &source, &log, &o.metrics, gauges_rx).await;
+        }
+    };
+    // Following is capture's to say, once its session streams (external)
+    // or the worker connects (native): a worker that never comes is not
+    // ready.
+    let (captured, applied, watched, ()) =
+        tokio::join!(capture, apply, watch.watch(&log, applied_rx), gauges);
+    let target = stage.target();
+    let stats = captured_or_failed(flow, target, captured).await?;
+    report.apply = applied?;
+    // The flow's own errors come first; the watcher's after them.
+    watched?;
+    report.envelopes_captured = stats.envelopes;
+    report.capture_duplicates_skipped = stats.duplicates_skipped;
+    report.caught_up_to = (!follow).then_some(goal);
+    wrap_up(flow, &source, target, &report, progress).await?;
+    Ok(report)
+}
+
+/// What a round holds once its checks passed: both sessions, the log
+/// directory it owns and (unless its caller holds it) the log's lock.
+struct Sessions {
+    source_url: String,
+    source: Client,
+    target: Client,
+    owner: crate::identity::LogOwner,
+    log_dir: PathBuf,
+    _log_lock: Option<crate::lock::LogLock>,
+}
+
+/// Connects, takes the target lock (unless `lock_held`), gates the flow
+/// through preflight and its identity checks, and locks the log (unless
+/// `log_locked`). The target lock comes first, so a refused process reads
+/// nothing from the source; the log's owner is checked again under its
+/// lock, because the boundary may remove the directory.
+async fn open_sessions(
+    flow: &Flow,
+    index: usize,
+    config_path: &str,
+    role: Role,
+    lock_held: bool,
+    log_locked: bool,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Sessions, FlowError> {
     let log_dir = flow
         .log_dir()
         .ok_or_else(|| FlowError::Unsupported(flow.name.clone()))?
@@ -732,9 +933,7 @@ async fn run_round<W: Watch>(
     // One process per flow on the target, from whichever host; taken
     // before anything else, so a refused process checks, reads and leaves
     // nothing, on either side or on its own host.
-    if target_lock.is_none()
-        && let Some(holder) = state::lock_flow(&target, &flow.name, role).await?
-    {
+    if !lock_held && let Some(holder) = state::lock_flow(&target, &flow.name, role).await? {
         return Err(FlowError::Busy {
             flow: flow.name.clone(),
             holder,
@@ -744,12 +943,8 @@ async fn run_round<W: Watch>(
     gate(flow, &source_url, &source, &target, config_path, progress).await?;
     let owner = log_owner(flow, &source).await?;
     state::ensure(&target).await?;
-    let mut report = RunReport {
-        flow: flow.name.clone(),
-        ..RunReport::default()
-    };
     // One writer per log, across processes, for the whole run.
-    let _lock = if locked {
+    let _log_lock = if log_locked {
         None
     } else {
         Some(
@@ -772,91 +967,27 @@ async fn run_round<W: Watch>(
     }
     // Checked again under the lock: the directory may be removed below.
     crate::identity::check_dir(&log_dir, &owner)?;
-    let stop = shutdown.clone().filter(|_| follow);
-    let boundary = Boundary {
-        flow,
-        config_path,
-        source_url: &source_url,
-        log_dir: &log_dir,
-        stop,
-        follow,
-    };
-    match ensure_boundary(boundary, &source, &target, &health, progress).await? {
-        Start::Snapshotted(copied) => {
-            report.snapshot = Some(copied);
-            health(FlowState::Starting);
-        }
-        Start::Resumed => {}
-        Start::Stopped => return Ok(report),
-    }
+    Ok(Sessions {
+        source_url,
+        source,
+        target,
+        owner,
+        log_dir,
+        _log_lock,
+    })
+}
 
-    // Capture until everything committed before now is durable, however
-    // it was committed (crate::horizon).
-    let goal = crate::horizon::last_record_end(&source).await?;
-    let floor = checkpoint_floor(&target, &flow.name).await?;
-    let (tx, mut rx) = tokio::sync::watch::channel(Lsn::ZERO);
-    let tx = Arc::new(tx);
-    let begun = Arc::new(tokio::sync::Notify::new());
-    let capture_from = CaptureFrom {
-        flow,
-        index,
-        source_url: &source_url,
-        log_dir: &log_dir,
-        floor,
-        pinned: snapshot_pins(&target, &flow.name).await?,
-    };
-    let config = capture_config(capture_from, &tx, &begun, observe.clone())?;
-    if follow {
-        progress(&format!(
-            "capture: following slot {} until SIGTERM",
-            flow.slot()
-        ));
-    } else {
-        progress(&format!(
-            "capture: streaming slot {} until {goal}",
-            flow.slot()
-        ));
-    }
-    // Capture and apply run together on one log: the applier takes what
-    // is durable while capture continues, and finishes after capture stops.
-    let log = open_log(flow, &log_dir, &owner, progress)?;
-    let (failed_tx, mut failed_rx) = tokio::sync::watch::channel(false);
-    let (done_tx, done_rx) = tokio::sync::watch::channel(false);
-    let stop = async move {
-        tokio::select! {
-            _ = rx.wait_for(|durable| *durable >= goal), if !follow => {}
-            () = async {
-                match shutdown {
-                    Some(mut stop) => {
-                        let _ = stop.wait_for(|stop| *stop).await;
-                    }
-                    None => until_signal().await,
-                }
-            }, if follow => {}
-            () = tokio::time::sleep(until.unwrap_or_default()), if follow && until.is_some() => {}
-            _ = failed_rx.wait_for(|f| *f) => {}
-        }
-    };
-    let capture = async {
-        let result = match flow.capture {
-            CapturePath::External => capture::run_on(config, &log, stop)
-                .await
-                .map_err(FlowError::from),
-            CapturePath::Native => {
-                let native = NativeRun {
-                    log_dir: &log_dir,
-                    progress: tx,
-                    begun: Arc::clone(&begun),
-                    floor,
-                    observe: observe.clone(),
-                };
-                native_capture(flow, &source, &log, native, stop).await
-            }
-        };
-        let _ = done_tx.send(true);
-        result
-    };
-    let mut stage = if role == Role::Relay {
+/// The stage a round's role runs on the log: the applier (with its
+/// delivery, the log itself or the topic), or the relay role's publisher.
+async fn open_stage(
+    flow: &Flow,
+    role: Role,
+    target: Client,
+    config_path: &str,
+    observe: Option<&Observer>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Stage, FlowError> {
+    Ok(if role == Role::Relay {
         Stage::Publish {
             publisher: crate::delivery::open_publisher(flow, progress).await?,
             target,
@@ -875,64 +1006,77 @@ async fn run_round<W: Watch>(
         if delivery.opens_ahead() {
             applier = applier.with_open_after_commit();
         }
-        if let Some(o) = &observe {
+        if let Some(o) = observe {
             applier = applier.with_metrics(o.metrics.clone());
         }
         Stage::Apply {
             applier: Box::new(applier),
             delivery,
         }
-    };
-    let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
-    let apply = async {
-        let signals = Signals {
-            captured: done_rx.clone(),
-            begun: &begun,
-            observe: observe.as_ref(),
-            tuning: &TUNING,
-        };
-        let result = match &mut stage {
-            Stage::Apply { applier, delivery } => {
-                let result = apply_stage(applier, delivery, &log, &flow.name, signals).await;
-                // Whatever ended the loop, the session is left outside a
-                // transaction for what reads the target next.
-                applier.close_opened().await;
-                result
+    })
+}
+
+/// How a following round is stopped: its shutdown channel (SIGTERM
+/// without one), or after `until`.
+struct Following {
+    shutdown: Option<tokio::sync::watch::Receiver<bool>>,
+    until: Option<Duration>,
+}
+
+/// Resolves when capture should stop: once `goal` is durable for a round
+/// that runs to a position, when a following round is stopped, or as soon
+/// as the stage beside it failed.
+async fn capture_stop(
+    following: Option<Following>,
+    goal: Lsn,
+    mut durable: tokio::sync::watch::Receiver<Lsn>,
+    mut failed: tokio::sync::watch::Receiver<bool>,
+) {
+    let stopped = async {
+        match following {
+            None => {
+                let _ = durable.wait_for(|durable| *durable >= goal).await;
             }
-            Stage::Publish { publisher, .. } => publish_stage(publisher, &log, signals)
-                .await
-                .map(|()| ApplyStats::default()),
-        };
-        if result.is_err() {
-            // Capture stops too.
-            let _ = failed_tx.send(true);
+            Some(Following { shutdown, until }) => {
+                let signal = async {
+                    match shutdown {
+                        Some(mut stop) => {
+                            let _ = stop.wait_for(|stop| *stop).await;
+                        }
+                        None => until_signal().await,
+                    }
+                };
+                match until {
+                    Some(until) => {
+                        tokio::select! {
+                            () = signal => {}
+                            () = tokio::time::sleep(until) => {}
+                        }
+                    }
+                    None => signal.await,
+                }
+            }
         }
-        let _ = applied_tx.send(true);
-        result
     };
-    let gauges_rx = applied_rx.clone();
-    let gauges = async {
-        if let Some(o) = &observe {
-            gauges(flow, &source, &log, &o.metrics, gauges_rx).await;
-        }
-    };
-    // Following is capture's to say, once its session streams (external)
-    // or the worker connects (native): a worker that never comes is not
-    // ready.
-    let (captured, applied, watched, ()) =
-        tokio::join!(capture, apply, watch.watch(&log, applied_rx), gauges);
-    let target = match &stage {
-        Stage::Apply { applier, .. } => applier.client(),
-        Stage::Publish { target, .. } => target,
-    };
-    let stats = match captured {
-        Ok(stats) => stats,
+    tokio::select! {
+        () = stopped => {}
+        _ = failed.wait_for(|f| *f) => {}
+    }
+}
+
+/// What capture ended with. A stream that cannot continue from where the
+/// target stands leaves the run recoverable only by a new snapshot
+/// (reseed), and says so in its state.
+async fn captured_or_failed<T>(
+    flow: &Flow,
+    target: &Client,
+    captured: Result<T, FlowError>,
+) -> Result<T, FlowError> {
+    match captured {
         Err(FlowError::Capture(
             err @ (capture::CaptureError::Invalidated { .. }
             | capture::CaptureError::SlotAhead { .. }),
         )) => {
-            // The stream cannot continue from where the target stands: the
-            // run is recoverable only by a new snapshot (reseed).
             snapshot::transition(
                 target,
                 &flow.name,
@@ -940,18 +1084,10 @@ async fn run_round<W: Watch>(
                 Some(&crate::errors::chain_of(&err)),
             )
             .await?;
-            return Err(err.into());
+            Err(err.into())
         }
-        Err(err) => return Err(err),
-    };
-    report.apply = applied?;
-    // The flow's own errors come first; the watcher's after them.
-    watched?;
-    report.envelopes_captured = stats.envelopes;
-    report.capture_duplicates_skipped = stats.duplicates_skipped;
-    report.caught_up_to = (!follow).then_some(goal);
-    wrap_up(flow, &source, target, &report, progress).await?;
-    Ok(report)
+        other => other,
+    }
 }
 
 /// What a round does with the log capture writes.
@@ -967,6 +1103,38 @@ enum Stage {
         publisher: Publisher,
         target: Client,
     },
+}
+
+impl Stage {
+    /// Runs the stage on the log until capture has ended and it has taken
+    /// everything durable, or it fails.
+    async fn run(
+        &mut self,
+        log: &Log<FsStorage>,
+        flow: &str,
+        signals: Signals<'_>,
+    ) -> Result<ApplyStats, FlowError> {
+        match self {
+            Stage::Apply { applier, delivery } => {
+                let result = apply_stage(applier, delivery, log, flow, signals).await;
+                // Whatever ended the loop, the session is left outside a
+                // transaction for what reads the target next.
+                applier.close_opened().await;
+                Ok(result?)
+            }
+            Stage::Publish { publisher, .. } => Ok(publish_stage(publisher, log, signals)
+                .await
+                .map(|()| ApplyStats::default())?),
+        }
+    }
+
+    /// The target session, for the round's bookkeeping after the stage.
+    fn target(&self) -> &Client {
+        match self {
+            Stage::Apply { applier, .. } => applier.client(),
+            Stage::Publish { target, .. } => target,
+        }
+    }
 }
 
 /// Resolves once the held target lock is lost ([`state::FlowLock::lost`]);
@@ -1090,7 +1258,6 @@ async fn wrap_up(
 /// Where a round starts its stream from.
 struct Boundary<'a> {
     flow: &'a Flow,
-    config_path: &'a str,
     source_url: &'a str,
     log_dir: &'a std::path::Path,
     /// Following: a signal stops a long copy too.
@@ -1108,8 +1275,9 @@ enum Start {
     Stopped,
 }
 
-/// Takes a new snapshot when the flow has no boundary to stream from, or
-/// checks that the config names no table the boundary lacks.
+/// Takes a new snapshot when the flow has no boundary to stream from;
+/// otherwise copies the tables that joined the flow since at a boundary of
+/// their own, and lets go of those that left it.
 async fn ensure_boundary(
     boundary: Boundary<'_>,
     source: &Client,
@@ -1119,7 +1287,6 @@ async fn ensure_boundary(
 ) -> Result<Start, FlowError> {
     let Boundary {
         flow,
-        config_path,
         source_url,
         log_dir,
         stop,
@@ -1156,54 +1323,49 @@ async fn ensure_boundary(
             Err(e) => Err(e.into()),
         }
     } else {
-        let copied: Vec<String> = target
-            .query(
-                "SELECT table_name FROM trellara.snapshot_tables WHERE flow = $1",
-                &[&flow.name],
-            )
+        let copied: Vec<String> = crate::state::runs::tables(target, &flow.name)
             .await?
-            .iter()
-            .map(|r| r.get(0))
+            .into_iter()
+            .map(|t| t.name)
             .collect();
-        let added: Vec<&str> = flow
+        let left: Vec<&String> = copied.iter().filter(|t| !flow.tables.contains(t)).collect();
+        for table in left {
+            let note = snapshot::leave(flow, source, target, table).await?;
+            progress(&format!("{table} left the flow: {note}"));
+        }
+        let joined: Vec<String> = flow
             .tables
             .iter()
             .filter(|t| !copied.contains(t))
-            .map(String::as_str)
+            .cloned()
             .collect();
-        if !added.is_empty() {
-            return Err(FlowError::TablesAdded {
-                flow: flow.name.clone(),
-                it: if added.len() == 1 {
-                    "it was"
-                } else {
-                    "they were"
-                },
-                tables: added.join(", "),
-                config: config_path.to_owned(),
-            });
+        if joined.is_empty() {
+            return Ok(Start::Resumed);
         }
-        Ok(Start::Resumed)
+        health(FlowState::Snapshotting);
+        match snapshot::join(flow, source_url, source, target, &joined, progress, stop).await {
+            Ok(at) => {
+                progress(&format!(
+                    "{} joined the flow at {at}; their changes before it are in their copy",
+                    joined.join(", ")
+                ));
+                Ok(Start::Resumed)
+            }
+            Err(e @ snapshot::SnapshotError::Stopped) if follow => {
+                progress(&e.to_string());
+                Ok(Start::Stopped)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 }
 
 /// The end LSN of the target's checkpoint of `flow` (zero without one):
 /// capture's floor.
 async fn checkpoint_floor(target: &Client, flow: &str) -> Result<Lsn, FlowError> {
-    let Some(row) = target
-        .query_opt(
-            "SELECT end_lsn::text FROM trellara.checkpoints WHERE flow = $1",
-            &[&flow],
-        )
+    Ok(crate::state::checkpoint::read(target, flow)
         .await?
-    else {
-        return Ok(Lsn::ZERO);
-    };
-    let text: String = row.get(0);
-    text.parse().map_err(|_| FlowError::BadLsn {
-        what: format!("the target's trellara.checkpoints.end_lsn of flow {flow}"),
-        text,
-    })
+        .map_or(Lsn::ZERO, |c| c.end_lsn))
 }
 
 /// The native capture path for one run: the extension's worker on the
@@ -1236,17 +1398,81 @@ async fn native_capture(
         floor,
         observe,
     } = run;
-    let sql_error = |what: &str, e: tokio_postgres::Error| {
-        FlowError::Native(format!(
-            "capture: native: {what} on the source: {}",
-            e.as_db_error()
-                .map_or(e.to_string(), |d| d.message().to_owned())
-        ))
+    let socket = set_up_worker(flow, source, log_dir).await?;
+    let progress_rx = progress.subscribe();
+    let config = crate::native::NativeConfig {
+        socket_path: socket,
+        log_dir: log_dir.to_path_buf(),
+        source_id: flow.source_id(),
+        max_envelope_bytes: 256 << 20,
+        progress: Some(progress),
+        begun: Some(begun),
+        floor,
+        observe,
+        // run claimed the log when it opened it.
+        owner: None,
     };
+    let serve = crate::native::serve_on(config, log, stop);
+    let start = async {
+        // A worker left by an interrupted run may be decoding with old
+        // settings: replace it.
+        source
+            .batch_execute("SELECT trellara.stop_worker(); SELECT trellara.start_worker()")
+            .await
+            .map_err(|e| native_sql_error("trellara.start_worker()", e))
+    };
+    let mut serve = std::pin::pin!(serve);
+    // The socket is bound on serve's first poll, before the worker starts
+    // (which retries with backoff anyway). A bind refusal ends serve first.
+    let early = tokio::select! {
+        served = &mut serve => Some(served),
+        started = start => {
+            started?;
+            None
+        }
+    };
+    let served = match early {
+        Some(served) => served,
+        None => tokio::select! {
+            served = serve => served,
+            failed = watch_worker(source) => {
+                let _ = source.batch_execute("SELECT trellara.stop_worker()").await;
+                return failed;
+            }
+        },
+    };
+    // The last Ack is on its way to the worker: let it confirm the slot
+    // before stopping it, so the slot ends where the log does.
+    let durable = progress_rx.borrow().0;
+    slot_confirmed(source, &flow.slot(), durable).await;
+    let stopped = source
+        .batch_execute("SELECT trellara.stop_worker()")
+        .await
+        .map_err(|e| native_sql_error("trellara.stop_worker()", e));
+    let stats = served?;
+    stopped?;
+    Ok(capture::CaptureStats {
+        envelopes: stats.envelopes,
+        duplicates_skipped: stats.duplicates_skipped,
+        reconnects: stats.connections.saturating_sub(1),
+    })
+}
+
+fn native_sql_error(what: &str, e: tokio_postgres::Error) -> FlowError {
+    FlowError::Native(format!(
+        "capture: native: {what} on the source: {}",
+        e.as_db_error()
+            .map_or(e.to_string(), |d| d.message().to_owned())
+    ))
+}
+
+/// Checks the extension is preloaded and points its worker at this flow
+/// (extension, settings, reload); the socket path it was given.
+async fn set_up_worker(flow: &Flow, source: &Client, log_dir: &Path) -> Result<PathBuf, FlowError> {
     let preload: String = source
         .query_one("SHOW shared_preload_libraries", &[])
         .await
-        .map_err(|e| sql_error("SHOW shared_preload_libraries", e))?
+        .map_err(|e| native_sql_error("SHOW shared_preload_libraries", e))?
         .get(0);
     if !preload
         .split(',')
@@ -1263,7 +1489,7 @@ async fn native_capture(
             source,
         })?
         .with_extension("sock");
-    let literal = |v: &str| format!("'{}'", v.replace('\'', "''"));
+    let literal = postgres_protocol::escape::escape_literal;
     let setup = [
         "CREATE EXTENSION IF NOT EXISTS trellara".to_owned(),
         format!("ALTER SYSTEM SET trellara.slot = {}", literal(&flow.slot())),
@@ -1289,92 +1515,55 @@ async fn native_capture(
         source
             .batch_execute(statement)
             .await
-            .map_err(|e| sql_error(statement, e))?;
+            .map_err(|e| native_sql_error(statement, e))?;
     }
-    let progress_rx = progress.subscribe();
-    let config = crate::native::NativeConfig {
-        socket_path: socket,
-        log_dir: log_dir.to_path_buf(),
-        source_id: flow.source_id(),
-        max_envelope_bytes: 256 << 20,
-        progress: Some(progress),
-        begun: Some(begun),
-        floor,
-        observe,
-        // run claimed the log when it opened it.
-        owner: None,
-    };
-    let serve = crate::native::serve_on(config, log, stop);
-    let start = async {
-        // A worker left by an interrupted run may be decoding with old
-        // settings: replace it.
-        source
-            .batch_execute("SELECT trellara.stop_worker(); SELECT trellara.start_worker()")
+    Ok(socket)
+}
+
+/// The worker reports trouble through trellara.status(); a run must fail
+/// with that reason, not wait for progress that cannot come. Resolves only
+/// with that failure.
+async fn watch_worker(source: &Client) -> Result<capture::CaptureStats, FlowError> {
+    let mut waiting_since: Option<std::time::Instant> = None;
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let row = source
+            .query_one(
+                "SELECT state, coalesce(reason, '') FROM trellara.status()",
+                &[],
+            )
             .await
-            .map_err(|e| sql_error("trellara.start_worker()", e))
-    };
-    let mut serve = std::pin::pin!(serve);
-    // The socket is bound on serve's first poll, before the worker starts
-    // (which retries with backoff anyway). A bind refusal ends serve first.
-    let early = tokio::select! {
-        served = &mut serve => Some(served),
-        started = start => {
-            started?;
-            None
-        }
-    };
-    // The worker reports trouble through trellara.status(); a run must
-    // fail with that reason, not wait for progress that cannot come.
-    let watch = async {
-        let mut waiting_since: Option<std::time::Instant> = None;
-        loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let row = source
-                .query_one(
-                    "SELECT state, coalesce(reason, '') FROM trellara.status()",
-                    &[],
-                )
-                .await
-                .map_err(|e| sql_error("trellara.status()", e))?;
-            let (state, reason): (String, String) = (row.get(0), row.get(1));
-            match state.as_str() {
-                "failed_closed" => {
+            .map_err(|e| native_sql_error("trellara.status()", e))?;
+        let (state, reason): (String, String) = (row.get(0), row.get(1));
+        match state.as_str() {
+            "failed_closed" => {
+                return Err(FlowError::Native(format!(
+                    "capture: native: the worker failed closed: {reason}"
+                )));
+            }
+            "waiting_for_relay" | "not_running" | "stopped" => {
+                let since = *waiting_since.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() > NATIVE_WORKER_PATIENCE {
                     return Err(FlowError::Native(format!(
-                        "capture: native: the worker failed closed: {reason}"
+                        "capture: native: the worker has not been streaming for {} s (state {state}: {reason})\nhint: see trellara.status() and the source's server log",
+                        NATIVE_WORKER_PATIENCE.as_secs()
                     )));
                 }
-                "waiting_for_relay" | "not_running" | "stopped" => {
-                    let since = *waiting_since.get_or_insert_with(std::time::Instant::now);
-                    if since.elapsed() > NATIVE_WORKER_PATIENCE {
-                        return Err(FlowError::Native(format!(
-                            "capture: native: the worker has not been streaming for {} s (state {state}: {reason})\nhint: see trellara.status() and the source's server log",
-                            NATIVE_WORKER_PATIENCE.as_secs()
-                        )));
-                    }
-                }
-                _ => waiting_since = None,
             }
+            _ => waiting_since = None,
         }
-    };
-    let served = match early {
-        Some(served) => served,
-        None => tokio::select! {
-            served = serve => served,
-            failed = watch => {
-                let _ = source.batch_execute("SELECT trellara.stop_worker()").await;
-                return failed;
-            }
-        },
-    };
-    // The last Ack is on its way to the worker: let it confirm the slot
-    // before stopping it, so the slot ends where the log does.
-    let durable = progress_rx.borrow().0;
+    }
+}
+
+/// Waits, a few seconds at most, for the slot's confirmed position to
+/// reach `durable`.
+async fn slot_confirmed(source: &Client, slot: &str, durable: u64) {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while std::time::Instant::now() < deadline {
         let confirmed: Option<String> = source
             .query_opt(
                 "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-                &[&flow.slot()],
+                &[&slot],
             )
             .await
             .ok()
@@ -1388,17 +1577,6 @@ async fn native_capture(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let stopped = source
-        .batch_execute("SELECT trellara.stop_worker()")
-        .await
-        .map_err(|e| sql_error("trellara.stop_worker()", e));
-    let stats = served?;
-    stopped?;
-    Ok(capture::CaptureStats {
-        envelopes: stats.envelopes,
-        duplicates_skipped: stats.duplicates_skipped,
-        reconnects: stats.connections.saturating_sub(1),
-    })
 }
 
 /// How long the native worker may be away from streaming before a run

@@ -250,14 +250,7 @@ impl Observer {
         log: &Log<FsStorage>,
         cursor: u64,
     ) -> Result<(), FlowError> {
-        let checkpoint: Option<Lsn> = self
-            .target
-            .query_opt(
-                "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1",
-                &[&self.flow],
-            )
-            .await?
-            .and_then(|r| r.get::<_, String>(0).parse().ok());
+        let checkpoint = crate::state::checkpoint::applied(&self.target, &self.flow).await?;
         let c = checkpoint.map_or(0, |l| l.0);
         if checkpoint != self.last_checkpoint {
             self.report.checkpoints += 1;

@@ -299,13 +299,26 @@ pub struct LiveSettings {
     /// The log's size limit in bytes (`transport.retention_mib`);
     /// `u64::MAX`: none.
     retention_bytes: std::sync::atomic::AtomicU64,
+    /// The flow's tables, once a reload changed them: a following flow
+    /// ends its round and starts the next with them.
+    tables: tokio::sync::watch::Sender<Option<Vec<String>>>,
 }
 
 impl LiveSettings {
     pub fn new(retention_bytes: Option<u64>) -> Arc<Self> {
         Arc::new(LiveSettings {
             retention_bytes: std::sync::atomic::AtomicU64::new(retention_bytes.unwrap_or(u64::MAX)),
+            tables: tokio::sync::watch::Sender::new(None),
         })
+    }
+
+    pub fn set_tables(&self, tables: Vec<String>) {
+        self.tables.send_replace(Some(tables));
+    }
+
+    /// The tables a reload set, watched from now on.
+    pub fn tables(&self) -> tokio::sync::watch::Receiver<Option<Vec<String>>> {
+        self.tables.subscribe()
     }
 
     pub fn set_retention(&self, bytes: Option<u64>) {

@@ -71,13 +71,7 @@ pub enum SnapshotError {
     Crashed(CrashPoint),
 }
 
-/// Where a flow's snapshot stands.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunState {
-    pub run_id: i64,
-    pub state: SnapshotState,
-    pub consistent_lsn: Option<Lsn>,
-}
+pub use crate::state::runs::RunState;
 
 /// The durable run row of one flow's snapshot machine.
 #[allow(async_fn_in_trait)] // one task; no Send bound needed
@@ -305,32 +299,16 @@ impl RunStore for PgRunStore<'_> {
         next: SnapshotState,
         reason: Option<&str>,
     ) -> Result<(), SnapshotError> {
-        self.client
-            .execute(
-                "UPDATE trellara.snapshot_runs SET state = $2, reason = $3, updated_at = now() WHERE flow = $1",
-                &[&self.flow, &next.as_str(), &reason],
-            )
+        crate::state::runs::set_state(self.client, self.flow, next, reason)
             .await
-            .map_err(SnapshotError::Target)?;
-        Ok(())
+            .map_err(SnapshotError::Target)
     }
 }
 
 pub async fn load(client: &Client, flow: &str) -> Result<Option<RunState>, SnapshotError> {
-    let row = client
-        .query_opt(
-            "SELECT run_id, state, consistent_lsn::text FROM trellara.snapshot_runs WHERE flow = $1",
-            &[&flow],
-        )
+    crate::state::runs::load(client, flow)
         .await
-        .map_err(SnapshotError::Target)?;
-    Ok(row.and_then(|r| {
-        Some(RunState {
-            run_id: r.get(0),
-            state: SnapshotState::parse(r.get(1))?,
-            consistent_lsn: r.get::<_, Option<String>>(2).and_then(|s| s.parse().ok()),
-        })
-    }))
+        .map_err(SnapshotError::Target)
 }
 
 /// Moves the run to `next` if the machine allows it from its current state.
@@ -360,21 +338,9 @@ pub async fn transition_from(
             to: next.as_str(),
         });
     }
-    let moved = client
-        .execute(
-            "UPDATE trellara.snapshot_runs SET state = $2, reason = $3, updated_at = now()
-             WHERE flow = $1 AND run_id = $4 AND state = $5",
-            &[
-                &flow,
-                &next.as_str(),
-                &reason,
-                &seen.run_id,
-                &seen.state.as_str(),
-            ],
-        )
+    crate::state::runs::set_state_from(client, flow, seen, next, reason)
         .await
-        .map_err(SnapshotError::Target)?;
-    Ok(moved == 1)
+        .map_err(SnapshotError::Target)
 }
 
 /// What a snapshot did, for progress and reports.
@@ -399,17 +365,146 @@ pub async fn run(
     progress: &mut dyn FnMut(&str),
     stop: Option<tokio::sync::watch::Receiver<bool>>,
 ) -> Result<SnapshotReport, SnapshotError> {
-    let mut io = PgSnapshot {
-        flow,
-        source_url,
-        source,
-        target,
-        repl: None,
-        stop,
-        created_publication: false,
-        created_slot: false,
-    };
+    let mut io = PgSnapshot::new(flow, source_url, (source, target), stop);
     run_machine(&mut io, &flow.tables, progress, &NoCrash).await
+}
+
+/// Whether `quoted` is a member of `publication` by name.
+async fn listed(source: &Client, publication: &str, quoted: &str) -> Result<bool, SnapshotError> {
+    Ok(source
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+                            WHERE p.pubname = $1 AND pr.prrelid = to_regclass($2))",
+            &[&publication, &quoted],
+        )
+        .await
+        .map_err(SnapshotError::Source)?
+        .get(0))
+}
+
+/// Lets go of `table`, which left the flow: forgets its copy (its rows on
+/// the target stay as they are) and, when the flow made the publication,
+/// takes the table out of it. Says what it did.
+pub async fn leave(
+    flow: &Flow,
+    source: &Client,
+    target: &Client,
+    table: &str,
+) -> Result<String, SnapshotError> {
+    let publication = flow.publication();
+    let quoted = quote_table(table);
+    let note = match (&flow.source.publication, quoted) {
+        (None, Some(quoted)) => {
+            if listed(source, &publication, &quoted).await? {
+                source
+                    .batch_execute(&format!(
+                        "ALTER PUBLICATION {publication} DROP TABLE {quoted}"
+                    ))
+                    .await
+                    .map_err(SnapshotError::Source)?;
+                format!("removed from publication {publication}; its rows on the target stay")
+            } else {
+                "its rows on the target stay".to_owned()
+            }
+        }
+        _ => format!(
+            "its rows on the target stay; publication {publication} is not the flow's to change, so it may still stream the table: ALTER PUBLICATION {publication} DROP TABLE {table} on the source ends that"
+        ),
+    };
+    crate::state::runs::forget_table(target, &flow.name, table)
+        .await
+        .map_err(SnapshotError::Target)?;
+    Ok(note)
+}
+
+/// Copies `tables`, which joined a following flow after its boundary, at
+/// a boundary of their own, and returns it. The same checks as a first
+/// run have passed (the round's gate); the publication is brought to the
+/// flow's tables first, so the boundary comes after that change commits.
+/// A temporary slot (gone with its session, whatever happens) exports the
+/// snapshot; the tables are emptied and copied in one target transaction,
+/// which a failure rolls back. Changes of these tables that committed
+/// before the boundary are in the copy: the applier skips them
+/// (state::runs::CopiedTable::boundary). The flow's slot is not touched.
+pub async fn join(
+    flow: &Flow,
+    source_url: &str,
+    source: &Client,
+    target: &Client,
+    tables: &[String],
+    progress: &mut dyn FnMut(&str),
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
+) -> Result<Lsn, SnapshotError> {
+    let mut io = PgSnapshot::new(flow, source_url, (source, target), stop);
+    let publication = flow.publication();
+    let mut unlisted = Vec::new();
+    if flow.source.publication.is_none() {
+        for quoted in tables.iter().filter_map(|t| quote_table(t)) {
+            if !listed(source, &publication, &quoted).await? {
+                unlisted.push(quoted);
+            }
+        }
+    }
+    if let Some(change) = io.ensure_publication().await? {
+        progress(&format!("join: {change}"));
+    }
+    let joined = copy_at_own_boundary(&mut io, tables, progress).await;
+    if joined.is_err() && !unlisted.is_empty() {
+        // Not left streaming tables the target never got.
+        let undo = format!(
+            "ALTER PUBLICATION {publication} DROP TABLE {}",
+            unlisted.join(", ")
+        );
+        match source.batch_execute(&undo).await {
+            Ok(()) => progress(&format!("join: undone: {undo}")),
+            Err(e) => progress(&format!("join: could not undo ({undo}): {}", Chain(&e))),
+        }
+    }
+    joined
+}
+
+/// [`join`]'s copy: a temporary slot's snapshot, every table emptied and
+/// copied in one target transaction; the slot's consistent point.
+async fn copy_at_own_boundary(
+    io: &mut PgSnapshot<'_>,
+    tables: &[String],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Lsn, SnapshotError> {
+    let (source, source_url) = (io.source, io.source_url);
+    let mut options: ConnectOptions = source_url.parse()?;
+    options.replication = true;
+    let mut repl = Connection::connect(&options).await?;
+    let name = format!("trellara_join_{}", repl.backend_pid());
+    let pid = repl.backend_pid();
+    let created = {
+        let create = repl.create_temporary_slot(&name);
+        slot_created(create, &name, source, pid, io.stop.clone()).await?
+    };
+    let snapshot = created.snapshot_name.ok_or_else(|| SnapshotError::Table {
+        table: "-".into(),
+        problem: "the server exported no snapshot".into(),
+        hint: "the slot must be created outside a transaction on a primary".into(),
+    })?;
+    let boundary = created.consistent_point;
+    io.boundary = Some(boundary);
+    progress(&format!(
+        "join: copying {} at a boundary of their own, {boundary}",
+        tables.join(", ")
+    ));
+    let order = io.prepare_copy(tables).await?;
+    for table in &order {
+        match io.copy_table(table, &snapshot, progress).await {
+            Ok(rows) => progress(&format!("join: copied {rows} rows of {table}")),
+            Err(e) => {
+                io.abort_copy().await;
+                return Err(e);
+            }
+        }
+    }
+    io.finish_copy().await?;
+    // The exported snapshot and the temporary slot end with the session.
+    drop(repl);
+    Ok(boundary)
 }
 
 fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), SnapshotError> {
@@ -504,6 +599,51 @@ async fn to_handoff<I: SnapshotIo>(
 /// How often a slot creation that waits says what it waits for.
 const SLOT_WAIT_REPORT: Duration = Duration::from_secs(10);
 
+/// Waits for a slot being created, which waits for every transaction
+/// running now to end, prepared ones included: says which, every 10 s,
+/// and on a stop cancels the wait on the server rather than leave it
+/// there.
+async fn slot_created(
+    create: impl std::future::Future<Output = Result<pgwire::SlotCreated, pgwire::WireError>>,
+    name: &str,
+    source: &Client,
+    pid: i32,
+    mut stop: Option<tokio::sync::watch::Receiver<bool>>,
+) -> Result<pgwire::SlotCreated, SnapshotError> {
+    // Without a stop channel (a run that does not follow), SIGTERM or
+    // Ctrl-C would kill the process and leave the server's walsender
+    // waiting: once the transaction ends it would create the slot, and
+    // nobody would ever read it. Catch them for the wait only.
+    let mut signals = SlotWaitSignals::new(stop.is_none());
+    tokio::pin!(create);
+    let mut ticker = tokio::time::interval_at(
+        tokio::time::Instant::now() + SLOT_WAIT_REPORT,
+        SLOT_WAIT_REPORT,
+    );
+    loop {
+        tokio::select! {
+            created = &mut create => return Ok(created?),
+            _ = ticker.tick() => {
+                let waiting = blocking_transactions(source, pid).await;
+                tracing::warn!(slot = %name, waiting = %waiting, "creating the slot waits for these transactions to end; the fix: let them finish, or COMMIT PREPARED / ROLLBACK PREPARED the prepared ones");
+            }
+            _ = async {
+                match stop.as_mut() {
+                    Some(stop) => { let _ = stop.wait_for(|s| *s).await; }
+                    None => std::future::pending().await,
+                }
+            } => {
+                let _ = source.execute("SELECT pg_cancel_backend($1)", &[&pid]).await;
+                return Err(SnapshotError::Stopped);
+            }
+            () = signals.recv() => {
+                let _ = source.execute("SELECT pg_cancel_backend($1)", &[&pid]).await;
+                return Err(SnapshotError::Stopped);
+            }
+        }
+    }
+}
+
 /// The transactions a slot creation on backend `pid` may be waiting for:
 /// prepared ones by gid, running ones by xid and backend.
 async fn blocking_transactions(source: &Client, pid: i32) -> String {
@@ -557,6 +697,30 @@ pub struct PgSnapshot<'a> {
     /// before the handoff.
     created_publication: bool,
     created_slot: bool,
+    /// Set for tables joining a following flow: the boundary of their own
+    /// their copy is recorded at.
+    boundary: Option<Lsn>,
+}
+
+impl<'a> PgSnapshot<'a> {
+    fn new(
+        flow: &'a Flow,
+        source_url: &'a str,
+        (source, target): (&'a Client, &'a Client),
+        stop: Option<tokio::sync::watch::Receiver<bool>>,
+    ) -> Self {
+        PgSnapshot {
+            flow,
+            source_url,
+            source,
+            target,
+            repl: None,
+            stop,
+            created_publication: false,
+            created_slot: false,
+            boundary: None,
+        }
+    }
 }
 
 impl std::fmt::Debug for PgSnapshot<'_> {
@@ -787,44 +951,10 @@ impl SnapshotIo for PgSnapshot<'_> {
         // to end, prepared ones included: say which, every 10 s, and on a
         // stop cancel the wait on the server rather than leave it there.
         let pid = repl.backend_pid();
-        let source = self.source;
-        let mut stop = self.stop.clone();
-        // Without a stop channel (a run that does not follow), SIGTERM or
-        // Ctrl-C would kill the process and leave the server's walsender
-        // waiting: once the transaction ends it would create the slot, and
-        // nobody would ever read it. Catch them for the wait only.
-        let mut signals = SlotWaitSignals::new(stop.is_none());
         let created = {
             let create = repl.create_logical_slot_for(&name, plugin, true, false);
-            tokio::pin!(create);
-            let mut ticker = tokio::time::interval_at(
-                tokio::time::Instant::now() + SLOT_WAIT_REPORT,
-                SLOT_WAIT_REPORT,
-            );
-            loop {
-                tokio::select! {
-                    created = &mut create => break created?,
-                    _ = ticker.tick() => {
-                        let waiting = blocking_transactions(source, pid).await;
-                        tracing::warn!(slot = %name, waiting = %waiting, "creating the slot waits for these transactions to end; the fix: let them finish, or COMMIT PREPARED / ROLLBACK PREPARED the prepared ones");
-                    }
-                    _ = async {
-                        match stop.as_mut() {
-                            Some(stop) => { let _ = stop.wait_for(|s| *s).await; }
-                            None => std::future::pending().await,
-                        }
-                    } => {
-                        let _ = source.execute("SELECT pg_cancel_backend($1)", &[&pid]).await;
-                        return Err(SnapshotError::Stopped);
-                    }
-                    () = signals.recv() => {
-                        let _ = source.execute("SELECT pg_cancel_backend($1)", &[&pid]).await;
-                        return Err(SnapshotError::Stopped);
-                    }
-                }
-            }
+            slot_created(create, &name, self.source, pid, self.stop.clone()).await?
         };
-        drop(signals);
         self.created_slot = true;
         let snapshot = created
             .snapshot_name
@@ -847,24 +977,9 @@ impl SnapshotIo for PgSnapshot<'_> {
     }
 
     async fn plan(&mut self, consistent: Lsn) -> Result<(), SnapshotError> {
-        self.target
-            .execute(
-                "INSERT INTO trellara.snapshot_runs AS r (flow, run_id, state, consistent_lsn)
-                 VALUES ($1, 1, 'planned', $2::text::pg_lsn)
-                 ON CONFLICT (flow) DO UPDATE SET run_id = r.run_id + 1, state = 'planned',
-                    consistent_lsn = EXCLUDED.consistent_lsn, reason = NULL, started_at = now(), updated_at = now()",
-                &[&self.flow.name, &consistent.to_string()],
-            )
+        crate::state::runs::plan(self.target, &self.flow.name, consistent)
             .await
-            .map_err(SnapshotError::Target)?;
-        self.target
-            .execute(
-                "DELETE FROM trellara.snapshot_tables WHERE flow = $1",
-                &[&self.flow.name],
-            )
-            .await
-            .map_err(SnapshotError::Target)?;
-        Ok(())
+            .map_err(SnapshotError::Target)
     }
 
     /// All the flow's tables are emptied in one `TRUNCATE` (foreign keys
@@ -934,9 +1049,9 @@ impl SnapshotIo for PgSnapshot<'_> {
         let copy = copy_table(
             table,
             snapshot,
-            self.source,
-            self.target,
+            (self.source, self.target),
             &self.flow.name,
+            self.boundary,
             progress,
         );
         match self.stop.clone() {
@@ -1012,33 +1127,21 @@ impl SnapshotIo for PgSnapshot<'_> {
     }
 
     async fn handoff(&mut self, checkpoint: Lsn, consistent: Lsn) -> Result<(), SnapshotError> {
-        self.target
-            .execute(
-                "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid)
-                 VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, 0)
-                 ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
-                    commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = 0,
-                    transactions = 0, duplicates_skipped = 0, updated_at = now()",
-                &[
-                    &self.flow.name,
-                    &self.flow.source_id(),
-                    &checkpoint.to_string(),
-                    &consistent.to_string(),
-                ],
-            )
-            .await
-            .map_err(SnapshotError::Target)?;
+        let flow = &self.flow.name;
+        crate::state::checkpoint::reset_at_boundary(
+            self.target,
+            flow,
+            &self.flow.source_id(),
+            checkpoint,
+            consistent,
+        )
+        .await
+        .map_err(SnapshotError::Target)?;
         // Quarantined transactions of the previous boundary are superseded
         // by this copy.
-        self.target
-            .execute(
-                "UPDATE trellara.quarantine SET resolved_at = now(), reason = reason || ' (superseded by a new snapshot)'
-                 WHERE flow = $1 AND resolved_at IS NULL",
-                &[&self.flow.name],
-            )
+        crate::state::quarantine::supersede(self.target, flow)
             .await
-            .map_err(SnapshotError::Target)?;
-        Ok(())
+            .map_err(SnapshotError::Target)
     }
 }
 
@@ -1108,9 +1211,9 @@ async fn fingerprint_at_snapshot(source: &Client, qualified: &str) -> Result<u64
 async fn copy_table(
     table: &str,
     snapshot: &str,
-    source: &Client,
-    target: &Client,
+    (source, target): (&Client, &Client),
     flow: &str,
+    boundary: Option<Lsn>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<u64, SnapshotError> {
     let bad = |problem: String, hint: &str| SnapshotError::Table {
@@ -1157,7 +1260,12 @@ async fn copy_table(
         let sink = target
             .copy_in(&format!("COPY {qualified} ({list}) FROM STDIN"))
             .await
-            .map_err(|e| bad(format!("cannot COPY into the target: {e}"), "make the target's columns match the source"))?;
+            .map_err(|e| {
+                bad(
+                    format!("cannot COPY into the target: {e}"),
+                    "make the target's columns match the source",
+                )
+            })?;
         futures_util::pin_mut!(out);
         futures_util::pin_mut!(sink);
         // COPY text ends every row with a newline (one inside a value is
@@ -1185,14 +1293,7 @@ async fn copy_table(
         // pins it, so DDL between the boundary and the first streamed row
         // stops capture instead of being taken for the schema.
         let pinned = fingerprint_at_snapshot(source, &qualified).await?;
-        target
-            .execute(
-                "INSERT INTO trellara.snapshot_tables (flow, run_id, table_name, rows_copied, fingerprint)
-                 SELECT $1, run_id, $2, $3, $4 FROM trellara.snapshot_runs WHERE flow = $1
-                 ON CONFLICT (flow, table_name) DO UPDATE SET rows_copied = EXCLUDED.rows_copied,
-                    fingerprint = EXCLUDED.fingerprint, copied_at = now()",
-                &[&flow, &table, &(rows as i64), &(pinned as i64)],
-            )
+        crate::state::runs::record_table(target, flow, table, rows, pinned, boundary)
             .await
             .map_err(SnapshotError::Target)?;
         Ok::<u64, SnapshotError>(rows)

@@ -25,16 +25,7 @@ pub fn publication_marker_literal(flow: &str) -> String {
     format!("'{}'", publication_marker(flow).replace('\'', "''"))
 }
 
-/// The flow's state tables on the target, each keyed by `flow`.
-const STATE_TABLES: [&str; 7] = [
-    "trellara.checkpoints",
-    "trellara.flow_stops",
-    "trellara.slot_claims",
-    "trellara.snapshot_runs",
-    "trellara.snapshot_tables",
-    "trellara.quarantine",
-    "trellara.verify_runs",
-];
+use crate::state::TABLES as STATE_TABLES;
 
 /// The settings native capture sets with ALTER SYSTEM.
 const NATIVE_SETTINGS: [&str; 5] = [
@@ -253,20 +244,9 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
         .await
         .map_err(TeardownError::Target)?
     {
-        let mut rows = 0;
-        for table in existing_state_tables(target)
+        let rows = crate::state::rows_of(target, &flow.name)
             .await
-            .map_err(TeardownError::Target)?
-        {
-            rows += target
-                .query_one(
-                    &format!("SELECT count(*) FROM {table} WHERE flow = $1"),
-                    &[&flow.name],
-                )
-                .await
-                .map_err(TeardownError::Target)?
-                .get::<_, i64>(0);
-        }
+            .map_err(TeardownError::Target)?;
         if rows > 0 {
             steps.push(Step::StateRows { rows });
         }
@@ -368,19 +348,7 @@ pub async fn execute(
                         .map_err(TeardownError::Source)?;
                 }
                 Step::StateRows { .. } => {
-                    let mut sql = String::from("BEGIN;");
-                    for table in existing_state_tables(target)
-                        .await
-                        .map_err(TeardownError::Target)?
-                    {
-                        sql.push_str(&format!(
-                            " DELETE FROM {table} WHERE flow = {};",
-                            postgres_protocol::escape::escape_literal(&flow.name)
-                        ));
-                    }
-                    sql.push_str(" COMMIT");
-                    target
-                        .batch_execute(&sql)
+                    crate::state::forget(target, &flow.name)
                         .await
                         .map_err(TeardownError::Target)?;
                 }
@@ -415,24 +383,6 @@ pub async fn execute(
         done.push(step.describe(&flow.name));
     }
     Ok(done)
-}
-
-/// The state tables the target has (one made by an older build may lack
-/// the newer ones).
-async fn existing_state_tables(
-    target: &Client,
-) -> Result<Vec<&'static str>, tokio_postgres::Error> {
-    let mut out = Vec::new();
-    for table in STATE_TABLES {
-        let exists: bool = target
-            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
-            .await?
-            .get(0);
-        if exists {
-            out.push(table);
-        }
-    }
-    Ok(out)
 }
 
 /// Drops `slot` of the session's database if it exists; true when it did.

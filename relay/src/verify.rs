@@ -548,15 +548,15 @@ pub async fn verify(
         tables.push(e);
     }
 
-    let checkpoint = target
-        .query_opt(
-            "SELECT end_lsn::text, transactions, duplicates_skipped FROM trellara.checkpoints WHERE flow = $1",
-            &[&flow.name],
-        )
+    let checkpoint = crate::state::checkpoint::read(target, &flow.name)
         .await
         .map_err(VerifyError::Target)?;
     let (watermark, transactions, duplicates) = match &checkpoint {
-        Some(r) => (Some(r.get::<_, String>(0)), r.get(1), r.get(2)),
+        Some(c) => (
+            Some(c.end_lsn.to_string()),
+            c.transactions,
+            c.duplicates_skipped,
+        ),
         None => (None, 0, 0),
     };
     // Watermark: nothing durable past the applier, nothing pending in the slot.
@@ -601,14 +601,9 @@ pub async fn verify(
                 recovery: run.clone(),
             });
         }
-        let applied: Option<trellara_common::Lsn> = target
-            .query_opt(
-                "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1",
-                &[&flow.name],
-            )
+        let applied = crate::state::checkpoint::applied(target, &flow.name)
             .await
-            .map_err(VerifyError::Target)?
-            .and_then(|r| r.get::<_, String>(0).parse().ok());
+            .map_err(VerifyError::Target)?;
         if let Some(last) = published.and_then(|c| c.last_commit_lsn)
             && applied.is_none_or(|a| a.0 < last)
         {
@@ -710,11 +705,7 @@ pub async fn verify(
         }),
     }
 
-    let quarantined = target
-        .query(
-            "SELECT commit_lsn::text, reason FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn",
-            &[&flow.name],
-        )
+    let quarantined = crate::state::quarantine::open(target, &flow.name)
         .await
         .map_err(VerifyError::Target)?;
     for q in &quarantined {
@@ -722,8 +713,7 @@ pub async fn verify(
             code: "QUARANTINED",
             detail: format!(
                 "transaction at {} is quarantined: {}",
-                q.get::<_, String>(0),
-                q.get::<_, String>(1)
+                q.commit_lsn, q.reason
             ),
             recovery: format!("fix the cause, then {run}"),
         });
@@ -839,11 +829,7 @@ pub async fn verify(
         }
     }
     let evidence = serde_json::to_string(&verdict).unwrap_or_default();
-    target
-        .execute(
-            "INSERT INTO trellara.verify_runs (flow, verdict, evidence) VALUES ($1, $2, $3::text::jsonb)",
-            &[&flow.name, &verdict.result, &evidence],
-        )
+    crate::state::verdicts::record(target, &flow.name, verdict.result, &evidence)
         .await
         .map_err(VerifyError::Target)?;
     Ok(verdict)

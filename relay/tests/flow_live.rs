@@ -1028,14 +1028,20 @@ fn a_partitioned_table_replicates_and_verifies_through_its_root_on(major: Major)
 }
 
 #[test]
-fn a_table_added_to_the_flow_is_refused_until_a_reseed_copies_and_streams_it() {
-    on_every_major(a_table_added_to_the_flow_on);
+fn a_table_joins_the_flow_at_its_own_boundary_and_leaves_it() {
+    on_every_major(a_table_joins_and_leaves_on);
 }
 
-/// A table added to the config after the snapshot was never copied: `run`
-/// refuses it and names `reseed`, which copies it and brings the flow's
-/// existing publication up to it, so its changes stream from then on.
-fn a_table_added_to_the_flow_on(major: Major) {
+/// A table added to the config after the snapshot joins at a boundary of
+/// its own: the next run brings the publication up to it, copies it in a
+/// temporary slot's snapshot (emptying what the target had), and skips
+/// its streamed changes that the copy already holds. Here one such change
+/// commits after the publication change and before the boundary (a
+/// transaction that was open when the join began holds the boundary
+/// back): applied twice, its insert would collide with the copy. Removed
+/// from the config, the table leaves: out of the publication, its rows on
+/// the target kept, no longer compared.
+fn a_table_joins_and_leaves_on(major: Major) {
     let Some(p) = pair(major) else {
         return;
     };
@@ -1049,46 +1055,206 @@ fn a_table_added_to_the_flow_on(major: Major) {
     for c in [&p.source, &p.target] {
         c.psql("CREATE TABLE public.extra (id int PRIMARY KEY, v text)");
     }
+    p.target
+        .psql("INSERT INTO public.extra VALUES (99, 'stale')");
     p.source
         .psql("INSERT INTO public.extra SELECT i, 'v' || i FROM generate_series(1, 7) i");
     let config = d.join("trellara.yml");
     let text = std::fs::read_to_string(&config).expect("config");
-    std::fs::write(
-        &config,
-        text.replace(
-            "  - public.line_items\n",
-            "  - public.line_items\n  - public.extra\n",
-        ),
-    )
-    .expect("add a table");
-    let err = fails(&run(&["run", "--config", "trellara.yml", "--local"]), 1);
-    assert!(
-        err.contains("public.extra joined the flow after its snapshot")
-            && err.contains("trellara reseed --config"),
-        "{err}"
+    let with_extra = text.replace(
+        "  - public.line_items\n",
+        "  - public.line_items\n  - public.extra\n",
     );
-    let out = ok(
-        &run(&["reseed", "--config", "trellara.yml", "--verify"]),
-        "reseed",
-    );
-    assert!(out.contains("shop CONVERGED"), "{out}");
+    assert_ne!(with_extra, text, "the config lists public.line_items");
+    std::fs::write(&config, &with_extra).expect("add a table");
+    // Open across the join's start, so the boundary waits for it.
+    let mut open = p.source.try_connect("postgres").expect("connect");
+    open.batch_execute("BEGIN; INSERT INTO public.extra VALUES (100, 'open')")
+        .expect("open transaction");
+    let child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["run", "--config", "trellara.yml", "--local", "--verify"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    wait_until("the join's temporary slot", 60, &|| {
+        p.source.psql_value(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE 'trellara\\_join\\_%' AND temporary",
+        ) == "1"
+    });
     assert_eq!(
-        p.target.psql_value("SELECT count(*) FROM public.extra"),
-        "7"
+        p.source.psql_value(
+            "SELECT count(*) FROM pg_publication_tables WHERE pubname = 'trellara_shop' AND tablename = 'extra'"
+        ),
+        "1",
+        "the publication holds the table before its boundary"
     );
-    // Streamed from now on: the publication holds the table.
+    // After the publication change, before the boundary: in the copy and
+    // in the stream.
+    p.source
+        .psql("INSERT INTO public.extra VALUES (101, 'between'); UPDATE public.extra SET v = 'u' WHERE id = 2");
+    open.batch_execute("COMMIT").expect("commit");
+    let out = child.wait_with_output().expect("run ends");
+    let stdout = ok(&out, "the run the table joins");
+    assert!(
+        stdout.contains("public.extra joined the flow at") && stdout.contains("shop CONVERGED"),
+        "{stdout}"
+    );
+    assert_eq!(
+        p.target.psql_value(
+            "SELECT count(*) || ' ' || min(id) || ' ' || max(id) || ' ' || (SELECT v FROM public.extra WHERE id = 2) FROM public.extra"
+        ),
+        "9 1 101 u",
+        "the copy replaced the target's rows, each change once"
+    );
+    assert_eq!(
+        p.source.psql_value(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE 'trellara\\_join\\_%'"
+        ),
+        "0",
+        "no join slot left"
+    );
+    // Streamed from now on.
     p.source.psql(
         "INSERT INTO public.extra VALUES (8, 'v8'); UPDATE public.extra SET v = 'w' WHERE id = 1",
     );
     let out = ok(
         &run(&["run", "--config", "trellara.yml", "--local", "--verify"]),
-        "run after the reseed",
+        "run after the join",
     );
     assert!(out.contains("shop CONVERGED"), "{out}");
     assert_eq!(
         p.target
             .psql_value("SELECT count(*) || ' ' || max(v) FROM public.extra"),
-        "8 w"
+        "10 w"
+    );
+
+    // It leaves: what committed while it was in the flow still arrives,
+    // then the flow no longer streams or compares it.
+    std::fs::write(&config, &text).expect("remove the table");
+    p.source
+        .psql("INSERT INTO public.extra VALUES (200, 'before it left')");
+    let out = ok(
+        &run(&["run", "--config", "trellara.yml", "--local", "--verify"]),
+        "run the table leaves",
+    );
+    assert!(
+        out.contains("public.extra left the flow: removed from publication trellara_shop")
+            && out.contains("shop CONVERGED"),
+        "{out}"
+    );
+    p.source
+        .psql("INSERT INTO public.extra VALUES (201, 'after')");
+    workload(&p.source, 300, 2);
+    let out = ok(
+        &run(&["run", "--config", "trellara.yml", "--local", "--verify"]),
+        "run after the table left",
+    );
+    assert!(out.contains("shop CONVERGED"), "{out}");
+    assert_eq!(
+        p.target.psql_value("SELECT count(*) FROM public.extra"),
+        "11",
+        "its rows stay, and what it wrote after leaving is not streamed"
+    );
+    assert_eq!(
+        p.target.psql_value("SELECT count(*) FROM public.orders"),
+        "7"
+    );
+}
+
+#[test]
+fn tables_join_and_leave_a_following_flow_on_sighup() {
+    on_every_major(tables_join_and_leave_on_sighup_on);
+}
+
+/// SIGHUP with a table added: the follower's round ends, the next copies
+/// the table at its own boundary and streams it; with a table that fails
+/// the first run's checks, the change is refused and the flow goes on as
+/// it was; with the table removed, it leaves. The process never stops.
+fn tables_join_and_leave_on_sighup_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 3);
+    let (mut child, addr, stderr) = spawn_follower(d);
+    wait_until("ready", 60, &|| http_get(&addr, "/readyz").0 == 200);
+    for c in [&p.source, &p.target] {
+        c.psql("CREATE TABLE public.extra (id int PRIMARY KEY, v text); CREATE TABLE public.nokey (v text)");
+    }
+    p.source
+        .psql("INSERT INTO public.extra SELECT i, 'v' || i FROM generate_series(1, 5) i");
+    let config = d.join("trellara.yml");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let listed = |extra: &str| {
+        text.replace(
+            "  - public.line_items\n",
+            &format!("  - public.line_items\n{extra}"),
+        )
+    };
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let hangup = || nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).expect("sighup");
+    let said = |what: &str| stderr.lock().unwrap().contains(what);
+    let wait_until = |what: &str, secs: u64, ok: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        while !ok() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never {what}:\n{}",
+                stderr.lock().unwrap()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+
+    // A table without a key: refused by the first run's checks, undone.
+    std::fs::write(&config, listed("  - public.nokey\n")).expect("config");
+    hangup();
+    wait_until("the keyless table refused", 60, &|| {
+        said("reload: refused, the flow goes on")
+    });
+    workload(&p.source, 100, 2);
+    wait_until("applied as before", 60, &|| {
+        p.target.psql_value("SELECT count(*) FROM public.orders") == "5"
+    });
+
+    std::fs::write(&config, listed("  - public.extra\n")).expect("config");
+    hangup();
+    wait_until("the table joined", 60, &|| {
+        said("public.extra joined the flow at")
+    });
+    p.source.psql(
+        "INSERT INTO public.extra VALUES (6, 'v6'); UPDATE public.extra SET v = 'w' WHERE id = 1",
+    );
+    wait_until("its changes streamed", 60, &|| {
+        p.target
+            .psql_value("SELECT count(*) || ' ' || max(v) FROM public.extra")
+            == "6 w"
+    });
+
+    std::fs::write(&config, &text).expect("config");
+    hangup();
+    wait_until("the table left", 60, &|| said("public.extra left the flow"));
+    p.source
+        .psql("INSERT INTO public.extra VALUES (7, 'after')");
+    workload(&p.source, 200, 1);
+    wait_until("the flow goes on", 60, &|| {
+        p.target.psql_value("SELECT count(*) FROM public.orders") == "6"
+    });
+    assert_eq!(
+        p.target.psql_value("SELECT count(*) FROM public.extra"),
+        "6"
+    );
+    assert!(
+        child.try_wait().expect("poll").is_none(),
+        "SIGHUP never stops the process"
+    );
+    let status = terminate(&mut child);
+    assert!(
+        status.success(),
+        "SIGTERM drains: {status}\n{}",
+        stderr.lock().unwrap()
     );
 }
 
@@ -2526,7 +2692,11 @@ fn spawn_service(
         Box::new(child.stderr.take().expect("stderr")),
         Some(Arc::clone(&stderr)),
     );
-    read(Box::new(child.stdout.take().expect("stdout")), None);
+    // Both streams: progress lines go to stdout, reload lines to stderr.
+    read(
+        Box::new(child.stdout.take().expect("stdout")),
+        Some(Arc::clone(&stderr)),
+    );
     let addr = addr_rx
         .recv_timeout(std::time::Duration::from_secs(60))
         .unwrap_or_else(|_| {

@@ -32,6 +32,7 @@ use crate::crash::{CrashHooks, CrashPoint, NoCrash};
 use crate::log::Log;
 use crate::log::storage::FsStorage;
 use crate::transport::{RecordReader, Records};
+use std::collections::HashMap;
 use std::time::Duration;
 use tokio_postgres::Client;
 use trellara_common::Lsn;
@@ -133,15 +134,7 @@ pub struct Settle {
 }
 
 /// A transaction the applier refuses, kept on the target.
-#[derive(Debug)]
-pub struct QuarantineRecord<'a> {
-    pub flow: &'a str,
-    pub commit_lsn: Lsn,
-    pub xid: u64,
-    pub reason: &'a str,
-    pub recovery: &'a str,
-    pub envelope: &'a [u8],
-}
+pub use crate::state::quarantine::Record as QuarantineRecord;
 
 /// What the applier needs from a target database. Everything between
 /// `begin` and `settle_and_commit` is one atomic target transaction;
@@ -219,6 +212,10 @@ pub trait Target {
         row: &RowChange,
     ) -> Result<Option<u64>, Refusal>;
     async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError>;
+    /// The tables that joined `flow` at a boundary of their own, by name.
+    async fn joined_tables(&mut self, _flow: &str) -> Result<HashMap<String, Lsn>, Refusal> {
+        Ok(HashMap::new())
+    }
 }
 
 /// Whether every value of a source column (type `source_oid`, modifier
@@ -297,6 +294,20 @@ pub struct Applier<T: Target = PgTarget> {
     opened: Option<Opened<T::Lock>>,
     open_after_commit: bool,
     metrics: Option<crate::metrics::FlowMetrics>,
+    joined: Joined,
+}
+
+/// Tables that joined the flow after its boundary, at one of their own:
+/// their changes that committed before it are in their copy, and are not
+/// applied again. Read from the target's state when a table the applier
+/// has not looked up yet appears, so a table that joined while this
+/// applier ran (the relay service's round) is known before its first row.
+#[derive(Debug, Default)]
+struct Joined {
+    /// By relation id, as looked up: the table's own boundary, if any.
+    by_relation: HashMap<u32, Option<Lsn>>,
+    /// By table name, as the target's state last said.
+    boundaries: HashMap<String, Lsn>,
 }
 
 /// `BEGIN` and the checkpoint lock already sent, assuming `assumed`: the
@@ -561,6 +572,7 @@ impl<T: Target> Applier<T> {
             opened: None,
             open_after_commit: false,
             metrics: None,
+            joined: Joined::default(),
         }
     }
 
@@ -1260,10 +1272,14 @@ impl<T: Target> Applier<T> {
         stats: &mut ApplyStats,
         pending: &mut Pending<'a>,
     ) -> Result<(), Refusal> {
+        let copied = self.in_joined_copy(env).await?;
         for ch in &env.changes {
             let Some(change::Body::Row(row)) = &ch.body else {
                 continue;
             };
+            if copied.contains(&row.relation_id) {
+                continue;
+            }
             let relation = env
                 .relations
                 .iter()
@@ -1308,6 +1324,40 @@ impl<T: Target> Applier<T> {
             }
         }
         Ok(())
+    }
+
+    /// The relations of `env` whose changes are already in the copy of a
+    /// table that joined the flow: it committed before that table's own
+    /// boundary (the snapshot holds what committed before its consistent
+    /// point; one committing exactly at it is streamed).
+    async fn in_joined_copy(&mut self, env: &Envelope) -> Result<Vec<u32>, Refusal> {
+        let unseen = env
+            .relations
+            .iter()
+            .any(|r| !self.joined.by_relation.contains_key(&r.relation_id));
+        if unseen {
+            self.joined.boundaries = self.target.joined_tables(&self.flow).await?;
+            self.joined.by_relation.clear();
+            for r in &env.relations {
+                let name = TableName::new(&r.namespace, &r.name).to_string();
+                self.joined
+                    .by_relation
+                    .insert(r.relation_id, self.joined.boundaries.get(&name).copied());
+            }
+        }
+        Ok(env
+            .relations
+            .iter()
+            .filter(|r| {
+                self.joined
+                    .by_relation
+                    .get(&r.relation_id)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|boundary| env.commit_lsn < boundary.0)
+            })
+            .map(|r| r.relation_id)
+            .collect())
     }
 
     async fn flush_inserts(&mut self, pending: &mut Pending<'_>) -> Result<(), Refusal> {

@@ -102,22 +102,11 @@ struct OpenCopy {
     rows: u64,
 }
 
-const LOCK_CHECKPOINT: &str =
-    "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1 FOR UPDATE";
-const UPSERT_CHECKPOINT: &str = "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid, transactions, duplicates_skipped)
-     VALUES ($1, $2, $3::text::pg_lsn, $4::text::pg_lsn, $5, $6, $7)
-     ON CONFLICT (flow) DO UPDATE SET source_id = EXCLUDED.source_id,
-        commit_lsn = EXCLUDED.commit_lsn, end_lsn = EXCLUDED.end_lsn, xid = EXCLUDED.xid,
-        transactions = c.transactions + EXCLUDED.transactions,
-        duplicates_skipped = c.duplicates_skipped + EXCLUDED.duplicates_skipped,
-        updated_at = now()";
-const COUNT_DUPLICATES: &str =
-    "UPDATE trellara.checkpoints SET duplicates_skipped = duplicates_skipped + $2 WHERE flow = $1";
-/// A write for [`Target::make_durable`] to flush.
-const TOUCH_CHECKPOINT: &str =
-    "UPDATE trellara.checkpoints SET commit_lsn = commit_lsn WHERE flow = $1";
-const RESOLVE_QUARANTINE: &str = "UPDATE trellara.quarantine SET resolved_at = now()
-     WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL";
+use crate::state::checkpoint::applier::{
+    COUNT_DUPLICATES, LOCK as LOCK_CHECKPOINT, TOUCH as TOUCH_CHECKPOINT,
+    UPSERT as UPSERT_CHECKPOINT,
+};
+use crate::state::quarantine::RESOLVE as RESOLVE_QUARANTINE;
 
 impl std::fmt::Debug for PgTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -682,23 +671,21 @@ impl Target for PgTarget {
     }
 
     async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError> {
-        self.client
-            .execute(
-                "INSERT INTO trellara.quarantine (flow, commit_lsn, xid, reason, recovery, envelope)
-                 VALUES ($1, $2::text::pg_lsn, $3, $4, $5, $6)
-                 ON CONFLICT (flow, commit_lsn) DO UPDATE
-                 SET reason = EXCLUDED.reason, attempts = trellara.quarantine.attempts + 1, resolved_at = NULL",
-                &[
-                    &record.flow,
-                    &record.commit_lsn.to_string(),
-                    &(record.xid as i64),
-                    &record.reason,
-                    &record.recovery,
-                    &record.envelope,
-                ],
-            )
-            .await?;
+        crate::state::quarantine::record(self.client.as_ref(), record).await?;
         Ok(())
+    }
+
+    async fn joined_tables(
+        &mut self,
+        flow: &str,
+    ) -> Result<std::collections::HashMap<String, Lsn>, Refusal> {
+        // The session is busy with an open COPY until it ends.
+        self.end_copy().await?;
+        Ok(crate::state::runs::tables(self.client.as_ref(), flow)
+            .await?
+            .into_iter()
+            .filter_map(|t| Some((t.name, t.boundary?)))
+            .collect())
     }
 }
 

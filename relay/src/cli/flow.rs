@@ -645,7 +645,7 @@ async fn reload_on_hangup(
         let changed = changed_fields(&running, &loaded, new_flow, &flow);
         for field in &changed {
             errln!(
-                "{prefix}: {field} changed; it applies when the flow starts again (live reload of it is not built)"
+                "{prefix}: {field} changed: refused live, the flow keeps running with its old value; it applies when the flow starts again"
             );
         }
         if changed.is_empty() {
@@ -712,6 +712,44 @@ async fn apply_live(
                 crate::errors::chain_of(&e)
             )),
         }
+    }
+    if let Some(flow) = running.flows.iter_mut().find(|f| f.name == new_flow.name)
+        && flow.tables != new_flow.tables
+    {
+        let joined: Vec<&String> = new_flow
+            .tables
+            .iter()
+            .filter(|t| !flow.tables.contains(t))
+            .collect();
+        let left: Vec<&String> = flow
+            .tables
+            .iter()
+            .filter(|t| !new_flow.tables.contains(t))
+            .collect();
+        let what = [("joining", &joined), ("leaving", &left)]
+            .iter()
+            .filter(|(_, t)| !t.is_empty())
+            .map(|(how, t)| {
+                format!(
+                    "{how} {}",
+                    t.iter().map(|t| t.as_str()).collect::<Vec<_>>().join(", ")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        if role.captures() {
+            service.live.set_tables(new_flow.tables.clone());
+            lines.push(format!(
+                "flows[{}].tables changed ({what}); applied live: the next round passes the first run's checks, copies what joins at a boundary of its own and lets go of what leaves",
+                new_flow.name
+            ));
+        } else {
+            lines.push(format!(
+                "flows[{}].tables changed ({what}); the relay service applies it (reload it too), and this applier follows",
+                new_flow.name
+            ));
+        }
+        flow.tables.clone_from(&new_flow.tables);
     }
     let retention = new_flow.retention_bytes();
     if let Some(flow) = running.flows.iter_mut().find(|f| f.name == new_flow.name)
@@ -1007,22 +1045,16 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
                 }
                 return anyhow::Ok(v);
             }
-            let q = |sql: &'static str| {
-                let target = &target;
-                let name = f.name.clone();
-                async move { target.query(sql, &[&name]).await }
-            };
-            let checkpoint = q("SELECT commit_lsn::text, end_lsn::text, transactions, duplicates_skipped, updated_at::text FROM trellara.checkpoints WHERE flow = $1").await?;
-            let snapshot = q("SELECT state, consistent_lsn::text, run_id, coalesce(reason, '') FROM trellara.snapshot_runs WHERE flow = $1").await?;
-            let quarantine = q("SELECT commit_lsn::text, xid, reason, recovery, attempts FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn").await?;
-            // A `--table` verdict speaks for one table, not the flow.
-            let last_verify = q("SELECT verdict, verified_at::text FROM trellara.verify_runs WHERE flow = $1 AND NOT evidence ? 'only_table' ORDER BY verified_at DESC LIMIT 1").await?;
+            let checkpoint = crate::state::checkpoint::read(&target, &f.name).await?;
+            let snapshot = crate::state::runs::row(&target, &f.name).await?;
+            let quarantine = crate::state::quarantine::open(&target, &f.name).await?;
+            let last_verify = crate::state::verdicts::last(&target, &f.name).await?;
             let mut v = json!({
                 "flow": f.name,
-                "checkpoint": checkpoint.first().map(|r| json!({"commit_lsn": r.get::<_, String>(0), "end_lsn": r.get::<_, String>(1), "transactions": r.get::<_, i64>(2), "duplicates_skipped": r.get::<_, i64>(3), "updated_at": r.get::<_, String>(4)})),
-                "snapshot": snapshot.first().map(|r| json!({"state": r.get::<_, String>(0), "consistent_lsn": r.get::<_, Option<String>>(1), "run_id": r.get::<_, i64>(2), "reason": r.get::<_, String>(3)})),
-                "quarantined": quarantine.iter().map(|r| json!({"commit_lsn": r.get::<_, String>(0), "xid": r.get::<_, i64>(1), "reason": r.get::<_, String>(2), "recovery": r.get::<_, String>(3), "attempts": r.get::<_, i32>(4)})).collect::<Vec<_>>(),
-                "last_verify": last_verify.first().map(|r| json!({"verdict": r.get::<_, String>(0), "at": r.get::<_, String>(1)})),
+                "checkpoint": checkpoint.map(|c| json!({"commit_lsn": c.commit_lsn.to_string(), "end_lsn": c.end_lsn.to_string(), "transactions": c.transactions, "duplicates_skipped": c.duplicates_skipped, "updated_at": c.updated_at})),
+                "snapshot": snapshot.map(|s| json!({"state": s.run.state.as_str(), "consistent_lsn": s.run.consistent_lsn.map(|l| l.to_string()), "run_id": s.run.run_id, "reason": s.reason})),
+                "quarantined": quarantine.iter().map(|q| json!({"commit_lsn": q.commit_lsn, "xid": q.xid, "reason": q.reason, "recovery": q.recovery, "attempts": q.attempts})).collect::<Vec<_>>(),
+                "last_verify": last_verify.map(|(verdict, at)| json!({"verdict": verdict, "at": at})),
                 "never_ran": false,
             });
             if let Some(t) = throwaway {
@@ -1433,8 +1465,8 @@ pub fn repair_plan(args: StatusArgs) -> anyhow::Result<ExitCode> {
             if let Some(stop) = crate::state::stop(&target, name).await? {
                 steps.push(json!({"flow": name, "blocked": format!("the last run stopped ({}): {}", stop.kind, stop.detail), "commands": stop.commands}));
             }
-            for q in target.query("SELECT commit_lsn::text, xid, reason, attempts FROM trellara.quarantine WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn", &[name]).await? {
-                steps.push(json!({"flow": name, "blocked": format!("transaction {} at {} is quarantined ({} attempts): {}", q.get::<_, i64>(1), q.get::<_, String>(0), q.get::<_, i32>(3), q.get::<_, String>(2)),
+            for q in crate::state::quarantine::open(&target, name).await? {
+                steps.push(json!({"flow": name, "blocked": format!("transaction {} at {} is quarantined ({} attempts): {}", q.xid, q.commit_lsn, q.attempts, q.reason),
                     "commands": ["fix the cause named above at the target", format!("trellara run --config {path} --flow {name} --local"), format!("trellara verify --config {path} --flow {name}")]}));
             }
             let snapshot = crate::snapshot::load(&target, name).await?;

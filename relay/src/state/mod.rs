@@ -1,12 +1,33 @@
 //! Durable flow state in the target database, schema `trellara`: the apply
-//! checkpoint, quarantine records, the snapshot state machine and verify
-//! evidence. Reports and evidence read these tables, never process memory.
+//! checkpoint ([`checkpoint`]), quarantine records ([`quarantine`]), the
+//! snapshot state machine ([`runs`], [`SnapshotState`]), verify evidence
+//! ([`verdicts`]), why a flow stopped, slot claims, and the advisory locks
+//! that keep one process per part of a flow. Reports and evidence read
+//! these tables, never process memory. This module and its children hold
+//! every statement on a `trellara.*` table.
 //!
 //! The checkpoint row is written in the same target transaction as the rows
 //! it accounts for; that is what makes redelivery detectable.
 
+pub mod checkpoint;
+pub mod quarantine;
+pub mod runs;
+pub mod verdicts;
+
 use crate::service::Role;
 use tokio_postgres::Client;
+
+/// The state tables, each keyed by `flow` (teardown removes a flow's rows
+/// from each).
+pub const TABLES: [&str; 7] = [
+    "trellara.checkpoints",
+    "trellara.flow_stops",
+    "trellara.slot_claims",
+    "trellara.snapshot_runs",
+    "trellara.snapshot_tables",
+    "trellara.quarantine",
+    "trellara.verify_runs",
+];
 
 const SCHEMA: &str = "
 CREATE SCHEMA IF NOT EXISTS trellara;
@@ -60,6 +81,15 @@ DO $$ BEGIN
         ALTER TABLE trellara.snapshot_tables ADD COLUMN fingerprint bigint;
     END IF;
 END $$;
+-- A table that joined a following flow has a boundary of its own: its
+-- changes that committed before it are in its copy. NULL: the run's.
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                   WHERE table_schema = 'trellara' AND table_name = 'snapshot_tables'
+                     AND column_name = 'boundary_lsn') THEN
+        ALTER TABLE trellara.snapshot_tables ADD COLUMN boundary_lsn pg_lsn;
+    END IF;
+END $$;
 -- Why a flow's last run stopped when it needs someone (schema drift, a
 -- lost slot, a record of another source); cleared by a run that ends well.
 CREATE TABLE IF NOT EXISTS trellara.flow_stops (
@@ -85,6 +115,50 @@ CREATE TABLE IF NOT EXISTS trellara.slot_claims (
     PRIMARY KEY (flow, slot)
 );
 ";
+
+/// The state tables the target has (one made by an older build may lack
+/// the newer ones).
+async fn existing_tables(client: &Client) -> Result<Vec<&'static str>, tokio_postgres::Error> {
+    let mut out = Vec::new();
+    for table in TABLES {
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+            .await?
+            .get(0);
+        if exists {
+            out.push(table);
+        }
+    }
+    Ok(out)
+}
+
+/// How many rows the state tables hold for `flow`.
+pub async fn rows_of(client: &Client, flow: &str) -> Result<i64, tokio_postgres::Error> {
+    let mut rows = 0;
+    for table in existing_tables(client).await? {
+        rows += client
+            .query_one(
+                &format!("SELECT count(*) FROM {table} WHERE flow = $1"),
+                &[&flow],
+            )
+            .await?
+            .get::<_, i64>(0);
+    }
+    Ok(rows)
+}
+
+/// Deletes every row of `flow` from the state tables, in one transaction.
+pub async fn forget(client: &Client, flow: &str) -> Result<(), tokio_postgres::Error> {
+    let mut sql = String::from("BEGIN;");
+    for table in existing_tables(client).await? {
+        sql.push_str(&format!(
+            " DELETE FROM {table} WHERE flow = {};",
+            postgres_protocol::escape::escape_literal(flow)
+        ));
+    }
+    sql.push_str(" COMMIT");
+    client.batch_execute(&sql).await
+}
 
 /// Creates the state schema if missing (idempotent).
 pub async fn ensure(client: &Client) -> Result<(), tokio_postgres::Error> {
