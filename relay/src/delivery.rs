@@ -329,6 +329,9 @@ pub async fn apply_round(
             holder,
         });
     }
+    // A newer build's columns (the applier reads snapshot_tables), before
+    // the first record.
+    crate::state::ensure(&target).await?;
     let mut stop = shutdown.clone();
     let mut said = false;
     while !boundary_ready(&target, &flow.name).await? {

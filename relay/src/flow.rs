@@ -342,7 +342,8 @@ pub async fn follow(
                 e @ (FlowError::Blocked { .. }
                 | FlowError::Preflight { .. }
                 | FlowError::Snapshot(_)),
-            ) if !*shutdown.borrow()
+            ) if !e.retryable()
+                && !*shutdown.borrow()
                 && let Some(tables) = before.take() =>
             {
                 // The new tables could not be followed (a check refused

@@ -455,9 +455,19 @@ pub async fn join(
             "ALTER PUBLICATION {publication} DROP TABLE {}",
             unlisted.join(", ")
         );
-        match source.batch_execute(&undo).await {
+        // A session of its own: a copy that was stopped may have left the
+        // round's inside its read-only transaction.
+        let undone = match crate::flow::connect(source_url, "source").await {
+            Ok(session) => session
+                .batch_execute(&undo)
+                .await
+                .map_err(|e| Chain(&e).to_string()),
+            Err(e) => Err(Chain(&e).to_string()),
+        };
+        match undone {
             Ok(()) => progress(&format!("join: undone: {undo}")),
-            Err(e) => progress(&format!("join: could not undo ({undo}): {}", Chain(&e))),
+            // Its changes are not applied meanwhile: the table has no copy.
+            Err(e) => progress(&format!("join: could not undo ({undo}): {e}")),
         }
     }
     joined

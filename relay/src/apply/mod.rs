@@ -212,9 +212,14 @@ pub trait Target {
         row: &RowChange,
     ) -> Result<Option<u64>, Refusal>;
     async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError>;
-    /// The tables that joined `flow` at a boundary of their own, by name.
-    async fn joined_tables(&mut self, _flow: &str) -> Result<HashMap<String, Lsn>, Refusal> {
-        Ok(HashMap::new())
+    /// The tables `flow` copied, by name, each with its own boundary when
+    /// it joined after the flow's; `None` when it has no copied tables to
+    /// tell apart (a target that keeps no state, a log applied by hand).
+    async fn copied_tables(
+        &mut self,
+        _flow: &str,
+    ) -> Result<Option<HashMap<String, Option<Lsn>>>, Refusal> {
+        Ok(None)
     }
 }
 
@@ -297,17 +302,28 @@ pub struct Applier<T: Target = PgTarget> {
     joined: Joined,
 }
 
-/// Tables that joined the flow after its boundary, at one of their own:
-/// their changes that committed before it are in their copy, and are not
-/// applied again. Read from the target's state when a table the applier
-/// has not looked up yet appears, so a table that joined while this
-/// applier ran (the relay service's round) is known before its first row.
+/// Which relations the applier applies: the tables the flow copied (the
+/// target's `snapshot_tables`), each from its boundary. A table that joined
+/// after the flow's boundary has one of its own: its changes that
+/// committed before it are in its copy, and are not applied again. A table
+/// with no copy (one that left the flow, or whose join failed) is not
+/// applied at all: its target rows would be changes without a base. Read
+/// from the target's state when a relation the applier has not found
+/// copied appears, so a table that joined while this applier ran (the
+/// relay service's round) is known before its first row.
 #[derive(Debug, Default)]
 struct Joined {
-    /// By relation id, as looked up: the table's own boundary, if any.
-    by_relation: HashMap<u32, Option<Lsn>>,
-    /// By table name, as the target's state last said.
-    boundaries: HashMap<String, Lsn>,
+    by_relation: HashMap<u32, Seen>,
+    /// Relations already said to be skipped (said once each).
+    warned: std::collections::HashSet<u32>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Seen {
+    /// Copied; from its own boundary when it joined later.
+    Copied(Option<Lsn>),
+    /// Not among the flow's copied tables when last looked up.
+    NotCopied,
 }
 
 /// `BEGIN` and the checkpoint lock already sent, assuming `assumed`: the
@@ -1326,35 +1342,42 @@ impl<T: Target> Applier<T> {
         Ok(())
     }
 
-    /// The relations of `env` whose changes are already in the copy of a
-    /// table that joined the flow: it committed before that table's own
-    /// boundary (the snapshot holds what committed before its consistent
-    /// point; one committing exactly at it is streamed).
+    /// The relations of `env` whose changes are not applied: those of a
+    /// table the flow has no copy of, and those already in the copy of a
+    /// table that joined the flow (committed before its own boundary: the
+    /// snapshot holds what committed before its consistent point; one
+    /// committing exactly at it is streamed).
     async fn in_joined_copy(&mut self, env: &Envelope) -> Result<Vec<u32>, Refusal> {
-        let unseen = env
-            .relations
-            .iter()
-            .any(|r| !self.joined.by_relation.contains_key(&r.relation_id));
-        if unseen {
-            self.joined.boundaries = self.target.joined_tables(&self.flow).await?;
-            self.joined.by_relation.clear();
+        let unsure = env.relations.iter().any(|r| {
+            !matches!(
+                self.joined.by_relation.get(&r.relation_id),
+                Some(Seen::Copied(_))
+            )
+        });
+        if unsure {
+            let copied = self.target.copied_tables(&self.flow).await?;
             for r in &env.relations {
                 let name = TableName::new(&r.namespace, &r.name).to_string();
-                self.joined
-                    .by_relation
-                    .insert(r.relation_id, self.joined.boundaries.get(&name).copied());
+                let seen = match &copied {
+                    // A target that keeps no state (the simulator's).
+                    None => Seen::Copied(None),
+                    Some(copied) => copied
+                        .get(&name)
+                        .map_or(Seen::NotCopied, |b| Seen::Copied(*b)),
+                };
+                if matches!(seen, Seen::NotCopied) && self.joined.warned.insert(r.relation_id) {
+                    tracing::warn!(flow = %self.flow, table = %name, "changes of this table are not applied: the flow has no copy of it (it left the flow, or its join did not finish)");
+                }
+                self.joined.by_relation.insert(r.relation_id, seen);
             }
         }
         Ok(env
             .relations
             .iter()
-            .filter(|r| {
-                self.joined
-                    .by_relation
-                    .get(&r.relation_id)
-                    .copied()
-                    .flatten()
-                    .is_some_and(|boundary| env.commit_lsn < boundary.0)
+            .filter(|r| match self.joined.by_relation.get(&r.relation_id) {
+                Some(Seen::NotCopied) => true,
+                Some(Seen::Copied(Some(boundary))) => env.commit_lsn < boundary.0,
+                _ => false,
             })
             .map(|r| r.relation_id)
             .collect())

@@ -675,17 +675,21 @@ impl Target for PgTarget {
         Ok(())
     }
 
-    async fn joined_tables(
+    async fn copied_tables(
         &mut self,
         flow: &str,
-    ) -> Result<std::collections::HashMap<String, Lsn>, Refusal> {
+    ) -> Result<Option<std::collections::HashMap<String, Option<Lsn>>>, Refusal> {
         // The session is busy with an open COPY until it ends.
         self.end_copy().await?;
-        Ok(crate::state::runs::tables(self.client.as_ref(), flow)
-            .await?
-            .into_iter()
-            .filter_map(|t| Some((t.name, t.boundary?)))
-            .collect())
+        let copied: std::collections::HashMap<String, Option<Lsn>> =
+            crate::state::runs::tables(self.client.as_ref(), flow)
+                .await?
+                .into_iter()
+                .map(|t| (t.name, t.boundary))
+                .collect();
+        // A flow that copied nothing (a log applied by hand) has no
+        // tables to tell apart.
+        Ok(Some(copied).filter(|c| !c.is_empty()))
     }
 }
 

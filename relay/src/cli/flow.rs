@@ -713,8 +713,20 @@ async fn apply_live(
             )),
         }
     }
+    let as_set = |tables: &[String]| {
+        tables
+            .iter()
+            .cloned()
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    // Only reordered: nothing to copy or let go of.
     if let Some(flow) = running.flows.iter_mut().find(|f| f.name == new_flow.name)
-        && flow.tables != new_flow.tables
+        && as_set(&flow.tables) == as_set(&new_flow.tables)
+    {
+        flow.tables.clone_from(&new_flow.tables);
+    }
+    if let Some(flow) = running.flows.iter_mut().find(|f| f.name == new_flow.name)
+        && as_set(&flow.tables) != as_set(&new_flow.tables)
     {
         let joined: Vec<&String> = new_flow
             .tables
