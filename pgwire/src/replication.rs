@@ -136,7 +136,12 @@ impl Connection {
             "CREATE_REPLICATION_SLOT {name} LOGICAL {plugin} ({})",
             options.join(", ")
         );
-        let rows = self.simple_query(&sql).await?;
+        self.create_slot(&sql, name).await
+    }
+
+    /// Runs a `CREATE_REPLICATION_SLOT` and reads its one row.
+    async fn create_slot(&mut self, sql: &str, name: &str) -> Result<SlotCreated, WireError> {
+        let rows = self.simple_query(sql).await?;
         let row = rows
             .first()
             .ok_or_else(|| WireError::Protocol("CREATE_REPLICATION_SLOT returned no row".into()))?;
@@ -157,15 +162,7 @@ impl Connection {
         let sql = format!(
             "CREATE_REPLICATION_SLOT {name} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"
         );
-        let rows = self.simple_query(&sql).await?;
-        let row = rows
-            .first()
-            .ok_or_else(|| WireError::Protocol("CREATE_REPLICATION_SLOT returned no row".into()))?;
-        Ok(SlotCreated {
-            slot_name: row.get("slot_name").unwrap_or(name).to_owned(),
-            consistent_point: lsn(row.get("consistent_point"), "consistent_point")?,
-            snapshot_name: row.get("snapshot_name").map(str::to_owned),
-        })
+        self.create_slot(&sql, name).await
     }
 
     pub async fn drop_slot(&mut self, name: &str) -> Result<(), WireError> {

@@ -484,8 +484,8 @@ async fn copy_at_own_boundary(
     let mut options: ConnectOptions = source_url.parse()?;
     options.replication = true;
     let mut repl = Connection::connect(&options).await?;
-    let name = format!("trellara_join_{}", repl.backend_pid());
     let pid = repl.backend_pid();
+    let name = format!("trellara_join_{pid}");
     let created = {
         let create = repl.create_temporary_slot(&name);
         slot_created(create, &name, source, pid, io.stop.clone()).await?

@@ -3,8 +3,8 @@
 //! The applier writes it in the same target transaction as the rows it
 //! accounts for; a snapshot resets it at its boundary.
 
+use super::lsn;
 use tokio_postgres::GenericClient;
-use tokio_postgres::types::PgLsn;
 use trellara_common::Lsn;
 
 /// A flow's checkpoint row.
@@ -15,10 +15,6 @@ pub struct Checkpoint {
     pub transactions: i64,
     pub duplicates_skipped: i64,
     pub updated_at: String,
-}
-
-fn lsn(l: PgLsn) -> Lsn {
-    Lsn(u64::from(l))
 }
 
 /// The checkpoint of `flow`, if it has one.

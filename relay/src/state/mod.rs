@@ -17,6 +17,11 @@ pub mod verdicts;
 use crate::service::Role;
 use tokio_postgres::Client;
 
+/// A `pg_lsn` column read as the server stores it: no text to parse.
+fn lsn(l: tokio_postgres::types::PgLsn) -> trellara_common::Lsn {
+    trellara_common::Lsn(u64::from(l))
+}
+
 /// The state tables, each keyed by `flow` (teardown removes a flow's rows
 /// from each).
 pub const TABLES: [&str; 7] = [

@@ -42,7 +42,7 @@ pub async fn row(
                 run_id: r.get(0),
                 // The table's CHECK admits only the states this build knows.
                 state: SnapshotState::parse(r.get(1))?,
-                consistent_lsn: r.get::<_, Option<PgLsn>>(2).map(|l| Lsn(u64::from(l))),
+                consistent_lsn: r.get::<_, Option<PgLsn>>(2).map(super::lsn),
             },
             reason: r.get(3),
         })
@@ -193,7 +193,7 @@ pub async fn tables(
         .map(|r| CopiedTable {
             name: r.get(0),
             fingerprint: r.get::<_, Option<i64>>(1).map(|f| f as u64),
-            boundary: r.get::<_, Option<PgLsn>>(2).map(|l| Lsn(u64::from(l))),
+            boundary: r.get::<_, Option<PgLsn>>(2).map(super::lsn),
         })
         .collect())
 }
