@@ -588,10 +588,8 @@ fn valid_name(name: &str) -> bool {
 /// Every problem in the config, each naming its field and fix. Offline:
 /// touches no database and reads no secret files.
 pub fn validate(config: &Config) -> Vec<ConfigIssue> {
-    let mut issues = Vec::new();
-    let mut issue = |field: String, problem: String, fix: &str| {
-        issues.push(ConfigIssue::new(field, problem, fix.to_owned()));
-    };
+    let mut issues = Issues::default();
+    let mut issue = |field: String, problem: String, fix: &str| issues.add(field, problem, fix);
     if config.schema_version != SCHEMA_VERSION {
         issue(
             "schema_version".into(),
@@ -625,210 +623,276 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
             "add a flow, e.g. with `trellara init`",
         );
     }
-    let mut names = std::collections::HashSet::new();
-    let mut log_dirs = std::collections::HashSet::new();
-    let mut topics = std::collections::HashSet::new();
-    let mut source_names = std::collections::HashSet::new();
+    let mut shared = Shared::default();
     for (i, flow) in config.flows.iter().enumerate() {
-        let at = |field: &str| format!("flows[{i}].{field}");
-        if !valid_name(&flow.name) {
-            issue(
-                at("name"),
-                format!("{:?} is not a valid flow name", flow.name),
-                "use 1-40 lower-case letters, digits, '_' or '-'",
-            );
-        }
-        if !names.insert(flow.name.clone()) {
-            issue(
-                at("name"),
-                format!("{:?} is used by another flow", flow.name),
-                "give each flow its own name",
-            );
-        }
-        // Each log has one writer and one stream: two flows cannot share one.
-        if let Some(dir) = flow.log_dir()
-            && !log_dirs.insert(dir.to_path_buf())
-        {
-            issue(
-                at("transport.log_dir"),
-                format!("{} is the log of another flow", dir.display()),
-                "give each flow its own log_dir, e.g. ./.trellara/<flow>",
-            );
-        }
-        // On one source, a second flow on the same slot would steal the
-        // first's stream, and on the same publication would capture the
-        // first's tables only.
-        let source = &flow.source.url;
-        let on = (
-            source.url.clone(),
-            source.url_env.clone(),
-            source.url_file.clone(),
+        flow_identity(config.environment, i, flow, &mut shared, &mut issues);
+        flow_secrets(config.environment, i, flow, &mut issues);
+        flow_names(i, flow, &mut issues);
+        flow_tables(i, flow, &mut issues);
+        flow_transport(i, flow, &mut shared, &mut issues);
+    }
+    issues.0
+}
+
+/// What [`validate`] found, in the order it found it.
+#[derive(Default)]
+struct Issues(Vec<ConfigIssue>);
+
+impl Issues {
+    fn add(&mut self, field: String, problem: String, fix: &str) {
+        self.0
+            .push(ConfigIssue::new(field, problem, fix.to_owned()));
+    }
+}
+
+/// What two flows of one config may not share, gathered over the flows.
+#[derive(Default)]
+struct Shared {
+    names: std::collections::HashSet<String>,
+    log_dirs: std::collections::HashSet<std::path::PathBuf>,
+    topics: std::collections::HashSet<String>,
+    /// (the source as configured, the field, its value).
+    source_names: std::collections::HashSet<(SourceRef, &'static str, String)>,
+}
+
+/// A source as its config names it: url, url_env, url_file.
+type SourceRef = (Option<String>, Option<String>, Option<std::path::PathBuf>);
+
+/// The flow's name, log, slot and publication, and where its target is.
+fn flow_identity(
+    environment: Environment,
+    i: usize,
+    flow: &Flow,
+    shared: &mut Shared,
+    issues: &mut Issues,
+) {
+    let at = |field: &str| format!("flows[{i}].{field}");
+    let mut issue = |field: String, problem: String, fix: &str| issues.add(field, problem, fix);
+    if !valid_name(&flow.name) {
+        issue(
+            at("name"),
+            format!("{:?} is not a valid flow name", flow.name),
+            "use 1-40 lower-case letters, digits, '_' or '-'",
         );
-        for (field, value) in [
-            ("source.slot", flow.slot()),
-            ("source.publication", flow.publication()),
-        ] {
-            if !source_names.insert((on.clone(), field, value.clone())) {
-                issue(
-                    at(field),
-                    format!("{value:?} is also another flow's, on the same source"),
-                    "set a distinct source.slot / source.publication, or rename the flow (names that differ only in '-' and '_' default to the same ones)",
-                );
-            }
-        }
-        if let Some(dir) = &flow.target.throwaway
-            && dir.file_name().is_none_or(|n| n == ".")
+    }
+    if !shared.names.insert(flow.name.clone()) {
+        issue(
+            at("name"),
+            format!("{:?} is used by another flow", flow.name),
+            "give each flow its own name",
+        );
+    }
+    // Each log has one writer and one stream: two flows cannot share one.
+    if let Some(dir) = flow.log_dir()
+        && !shared.log_dirs.insert(dir.to_path_buf())
+    {
+        issue(
+            at("transport.log_dir"),
+            format!("{} is the log of another flow", dir.display()),
+            "give each flow its own log_dir, e.g. ./.trellara/<flow>",
+        );
+    }
+    // On one source, a second flow on the same slot would steal the
+    // first's stream, and on the same publication would capture the
+    // first's tables only.
+    let source = &flow.source.url;
+    let on = (
+        source.url.clone(),
+        source.url_env.clone(),
+        source.url_file.clone(),
+    );
+    for (field, value) in [
+        ("source.slot", flow.slot()),
+        ("source.publication", flow.publication()),
+    ] {
+        if !shared
+            .source_names
+            .insert((on.clone(), field, value.clone()))
         {
             issue(
-                at("target.throwaway"),
-                format!(
-                    "{:?} names no directory of its own",
-                    dir.display().to_string()
-                ),
-                "leave the throwaway path init wrote (./.trellara/<config>/<flow>/target)",
+                at(field),
+                format!("{value:?} is also another flow's, on the same source"),
+                "set a distinct source.slot / source.publication, or rename the flow (names that differ only in '-' and '_' default to the same ones)",
             );
-        }
-        if flow.target.throwaway.is_some() && config.environment == Environment::Production {
-            issue(
-                at("target.throwaway"),
-                "a throwaway target is refused in environment: production".into(),
-                "point the target at a real database with url_env or url_file",
-            );
-        }
-        for (side, secret) in [("source", &flow.source.url), ("target", &flow.target.url)] {
-            let throwaway = side == "target" && flow.target.throwaway.is_some();
-            let set = [
-                secret.url.is_some(),
-                secret.url_env.is_some(),
-                secret.url_file.is_some(),
-                throwaway,
-            ]
-            .iter()
-            .filter(|&&b| b)
-            .count();
-            if set != 1 {
-                issue(
-                    at(side),
-                    if side == "target" {
-                        format!("has {set} of url, url_env, url_file, throwaway")
-                    } else {
-                        format!("has {set} of url, url_env, url_file")
-                    },
-                    if side == "target" {
-                        "give exactly one of url, url_env, url_file or throwaway"
-                    } else {
-                        "give exactly one of url, url_env or url_file"
-                    },
-                );
-            }
-            if secret.url.is_some() && config.environment == Environment::Production {
-                issue(
-                    at(&format!("{side}.url")),
-                    "inline connection strings are refused in environment: production".into(),
-                    "use url_env: VAR_NAME or url_file: /absolute/path",
-                );
-            }
-            if let Some(path) = &secret.url_file
-                && !path.is_absolute()
-            {
-                issue(
-                    at(&format!("{side}.url_file")),
-                    format!("{} is not an absolute path", path.display()),
-                    "use an absolute path",
-                );
-            }
-        }
-        for (field, value) in [
-            ("source.slot", &flow.source.slot),
-            ("source.publication", &flow.source.publication),
-        ] {
-            if let Some(v) = value
-                && !crate::slot_name::is_valid(v)
-            {
-                issue(
-                    at(field),
-                    format!("{v:?} is not a valid name"),
-                    "use 1-63 lower-case letters, digits and underscores",
-                );
-            }
-        }
-        if flow.tables.is_empty() {
-            issue(
-                at("tables"),
-                "is empty".into(),
-                "list the tables to replicate, e.g. [public.sales]",
-            );
-        }
-        let mut seen = Vec::new();
-        for (t, table) in flow.tables.iter().enumerate() {
-            match TableName::parse(table) {
-                Err(e) => issue(
-                    format!("flows[{i}].tables[{t}]"),
-                    format!("{table:?} {e}"),
-                    "write schema.table as SQL does: public.sales, or public.\"Sales\" for a mixed-case name",
-                ),
-                // Trellara's own state and the catalog are never data to move:
-                // applying them would overwrite the target's checkpoints.
-                Ok(name)
-                    if matches!(
-                        name.schema.as_str(),
-                        "trellara" | "pg_catalog" | "information_schema"
-                    ) || name.schema.starts_with("pg_toast") =>
-                {
-                    issue(
-                        format!("flows[{i}].tables[{t}]"),
-                        format!(
-                            "{table} is in schema {}, which is not replicated",
-                            name.schema
-                        ),
-                        "list only the application's tables",
-                    )
-                }
-                Ok(name) if seen.contains(&name) => issue(
-                    format!("flows[{i}].tables[{t}]"),
-                    format!("{table} is listed twice (as {name})"),
-                    "list each table once",
-                ),
-                Ok(name) => seen.push(name),
-            }
-        }
-        if let Transport::Kafka { topic, .. } = &flow.transport
-            && !topics.insert(topic.clone())
-        {
-            issue(
-                at("transport.topic"),
-                format!("{topic:?} is the topic of another flow"),
-                "give each flow its own topic: each applier applies all it reads",
-            );
-        }
-        if let Transport::Kafka { brokers, topic, .. } = &flow.transport {
-            let bad_broker = brokers.split(',').any(|b| {
-                b.trim()
-                    .rsplit_once(':')
-                    .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
-            });
-            if bad_broker {
-                issue(
-                    at("transport.brokers"),
-                    format!("{brokers:?} is not host:port[,host:port...]"),
-                    "list the bootstrap brokers, e.g. 127.0.0.1:9092",
-                );
-            }
-            let topic_ok = !topic.is_empty()
-                && topic.len() <= 249
-                && topic
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-            if !topic_ok {
-                issue(
-                    at("transport.topic"),
-                    format!("{topic:?} is not a Kafka topic name"),
-                    "use 1-249 characters of a-z A-Z 0-9 . _ -",
-                );
-            }
         }
     }
-    issues
+    if let Some(dir) = &flow.target.throwaway
+        && dir.file_name().is_none_or(|n| n == ".")
+    {
+        issue(
+            at("target.throwaway"),
+            format!(
+                "{:?} names no directory of its own",
+                dir.display().to_string()
+            ),
+            "leave the throwaway path init wrote (./.trellara/<config>/<flow>/target)",
+        );
+    }
+    if flow.target.throwaway.is_some() && environment == Environment::Production {
+        issue(
+            at("target.throwaway"),
+            "a throwaway target is refused in environment: production".into(),
+            "point the target at a real database with url_env or url_file",
+        );
+    }
+}
+
+/// The source and target connection strings: one form each, none inline
+/// in production.
+fn flow_secrets(environment: Environment, i: usize, flow: &Flow, issues: &mut Issues) {
+    let at = |field: &str| format!("flows[{i}].{field}");
+    let mut issue = |field: String, problem: String, fix: &str| issues.add(field, problem, fix);
+    for (side, secret) in [("source", &flow.source.url), ("target", &flow.target.url)] {
+        let throwaway = side == "target" && flow.target.throwaway.is_some();
+        let set = [
+            secret.url.is_some(),
+            secret.url_env.is_some(),
+            secret.url_file.is_some(),
+            throwaway,
+        ]
+        .iter()
+        .filter(|&&b| b)
+        .count();
+        if set != 1 {
+            issue(
+                at(side),
+                if side == "target" {
+                    format!("has {set} of url, url_env, url_file, throwaway")
+                } else {
+                    format!("has {set} of url, url_env, url_file")
+                },
+                if side == "target" {
+                    "give exactly one of url, url_env, url_file or throwaway"
+                } else {
+                    "give exactly one of url, url_env or url_file"
+                },
+            );
+        }
+        if secret.url.is_some() && environment == Environment::Production {
+            issue(
+                at(&format!("{side}.url")),
+                "inline connection strings are refused in environment: production".into(),
+                "use url_env: VAR_NAME or url_file: /absolute/path",
+            );
+        }
+        if let Some(path) = &secret.url_file
+            && !path.is_absolute()
+        {
+            issue(
+                at(&format!("{side}.url_file")),
+                format!("{} is not an absolute path", path.display()),
+                "use an absolute path",
+            );
+        }
+    }
+}
+
+/// Explicit slot and publication names.
+fn flow_names(i: usize, flow: &Flow, issues: &mut Issues) {
+    let at = |field: &str| format!("flows[{i}].{field}");
+    let mut issue = |field: String, problem: String, fix: &str| issues.add(field, problem, fix);
+    for (field, value) in [
+        ("source.slot", &flow.source.slot),
+        ("source.publication", &flow.source.publication),
+    ] {
+        if let Some(v) = value
+            && !crate::slot_name::is_valid(v)
+        {
+            issue(
+                at(field),
+                format!("{v:?} is not a valid name"),
+                "use 1-63 lower-case letters, digits and underscores",
+            );
+        }
+    }
+}
+
+/// The flow's tables: each schema.table, once, and never Trellara's own
+/// state or the catalog.
+fn flow_tables(i: usize, flow: &Flow, issues: &mut Issues) {
+    let at = |field: &str| format!("flows[{i}].{field}");
+    let mut issue = |field: String, problem: String, fix: &str| issues.add(field, problem, fix);
+    if flow.tables.is_empty() {
+        issue(
+            at("tables"),
+            "is empty".into(),
+            "list the tables to replicate, e.g. [public.sales]",
+        );
+    }
+    let mut seen = Vec::new();
+    for (t, table) in flow.tables.iter().enumerate() {
+        match TableName::parse(table) {
+            Err(e) => issue(
+                format!("flows[{i}].tables[{t}]"),
+                format!("{table:?} {e}"),
+                "write schema.table as SQL does: public.sales, or public.\"Sales\" for a mixed-case name",
+            ),
+            // Trellara's own state and the catalog are never data to move:
+            // applying them would overwrite the target's checkpoints.
+            Ok(name)
+                if matches!(
+                    name.schema.as_str(),
+                    "trellara" | "pg_catalog" | "information_schema"
+                ) || name.schema.starts_with("pg_toast") =>
+            {
+                issue(
+                    format!("flows[{i}].tables[{t}]"),
+                    format!(
+                        "{table} is in schema {}, which is not replicated",
+                        name.schema
+                    ),
+                    "list only the application's tables",
+                )
+            }
+            Ok(name) if seen.contains(&name) => issue(
+                format!("flows[{i}].tables[{t}]"),
+                format!("{table} is listed twice (as {name})"),
+                "list each table once",
+            ),
+            Ok(name) => seen.push(name),
+        }
+    }
+}
+
+/// A Kafka transport's brokers and topic, one topic per flow.
+fn flow_transport(i: usize, flow: &Flow, shared: &mut Shared, issues: &mut Issues) {
+    let at = |field: &str| format!("flows[{i}].{field}");
+    let mut issue = |field: String, problem: String, fix: &str| issues.add(field, problem, fix);
+    if let Transport::Kafka { topic, .. } = &flow.transport
+        && !shared.topics.insert(topic.clone())
+    {
+        issue(
+            at("transport.topic"),
+            format!("{topic:?} is the topic of another flow"),
+            "give each flow its own topic: each applier applies all it reads",
+        );
+    }
+    if let Transport::Kafka { brokers, topic, .. } = &flow.transport {
+        let bad_broker = brokers.split(',').any(|b| {
+            b.trim()
+                .rsplit_once(':')
+                .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+        });
+        if bad_broker {
+            issue(
+                at("transport.brokers"),
+                format!("{brokers:?} is not host:port[,host:port...]"),
+                "list the bootstrap brokers, e.g. 127.0.0.1:9092",
+            );
+        }
+        let topic_ok = !topic.is_empty()
+            && topic.len() <= 249
+            && topic
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        if !topic_ok {
+            issue(
+                at("transport.topic"),
+                format!("{topic:?} is not a Kafka topic name"),
+                "use 1-249 characters of a-z A-Z 0-9 . _ -",
+            );
+        }
+    }
 }
 
 /// `schema.table` quoted for SQL (postgres-protocol's escape_identifier).

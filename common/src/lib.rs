@@ -5,8 +5,9 @@
 //! `trellara.yml` model ([`config`]), files only their owner may read
 //! ([`owner_only`]), secrets kept out of messages ([`redact`]), table
 //! names as SQL spells them ([`table_name`]), replication slot names
-//! ([`slot_name`]), and the one way a failure
-//! prints with its causes ([`errors`]).
+//! ([`slot_name`]), whether a server's error may pass on a retry
+//! ([`retry`]), and the one way a failure prints with its causes
+//! ([`errors`]).
 
 #[cfg(feature = "config")]
 pub mod config;
@@ -22,6 +23,7 @@ pub mod native_frame;
 pub mod native_wire;
 pub mod owner_only;
 pub mod redact;
+pub mod retry;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod sample;
 pub mod slot_name;

@@ -640,6 +640,7 @@ impl Assembler {
             chunks: std::mem::take(&mut txn.chunks),
             next_chunk: 0,
             total,
+            spooled: txn.spool.mark().bytes,
             reader: txn
                 .spool
                 .into_reader()
@@ -694,6 +695,14 @@ impl Assembler {
         }
         let (commit_lsn, end_lsn) = (frame.commit_lsn, frame.end_lsn);
         let mut raw = envelope::RawEnvelope::new(frame, end - first_sequence).map_err(invalid)?;
+        // The spool's bytes of this chunk: its changes and a 4-byte length
+        // each.
+        let spooled = f
+            .chunks
+            .get(chunk_index + 1)
+            .map_or(f.spooled, |next| next.start.bytes)
+            - chunk.start.bytes;
+        raw.reserve(end - first_sequence, spooled);
         for _ in first_sequence..end {
             let Some(record) = f.reader.next_record().map_err(spill)? else {
                 break;
@@ -740,6 +749,8 @@ struct Finishing {
     chunks: Vec<PlannedChunk>,
     next_chunk: usize,
     total: u64,
+    /// The spool's length in bytes.
+    spooled: u64,
     reader: crate::spool::SpoolReader,
 }
 

@@ -171,6 +171,9 @@ impl SpoolReader {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
         let len = u32::from_le_bytes(len) as usize;
+        // Exactly: a wide value would otherwise double the buffer.
+        self.buf.clear();
+        self.buf.reserve_exact(len);
         self.buf.resize(len, 0);
         match &mut self.source {
             Source::Mem(m) => m.read_exact(&mut self.buf)?,

@@ -159,7 +159,7 @@ impl Connection {
         };
         let mut conn = Connection {
             io,
-            rbuf: BytesMut::with_capacity(64 * 1024),
+            rbuf: BytesMut::with_capacity(READ_BUFFER),
             wbuf: BytesMut::new(),
             pace: None,
             backend_pid: 0,
@@ -383,8 +383,25 @@ impl Connection {
             b'v' => Err(WireError::Protocol(
                 "server requested protocol negotiation (NegotiateProtocolVersion)".into(),
             )),
-            _ => Ok(Message::parse(&mut self.rbuf)?.map(Backend::Message)),
+            _ => {
+                let message = Message::parse(&mut self.rbuf)?.map(Backend::Message);
+                if len > READ_BUFFER {
+                    self.release_large_buffer();
+                }
+                Ok(message)
+            }
         }
+    }
+
+    /// After a message larger than [`READ_BUFFER`] (a row with a wide
+    /// value), moves what is left to a buffer of the usual size. The
+    /// message shares the old allocation and frees it once it is dropped;
+    /// the buffer's remainder would otherwise keep all of it alive for as
+    /// long as the connection lives.
+    fn release_large_buffer(&mut self) {
+        let mut fresh = BytesMut::with_capacity(READ_BUFFER.max(self.rbuf.len()));
+        fresh.extend_from_slice(&self.rbuf);
+        self.rbuf = fresh;
     }
 
     /// Reads until one whole message is buffered. Cancel-safe (a paced
@@ -442,6 +459,8 @@ fn now_or_never<F: std::future::Future>(future: F) -> Option<F::Output> {
 
 /// Room one paced read may fill.
 const PACED_READ_BYTES: usize = 1 << 20;
+/// The read buffer's usual capacity.
+const READ_BUFFER: usize = 64 << 10;
 
 /// "17.9 (Debian ...)" or "18devel" -> 170009 / 180000.
 fn parse_server_version(v: &str) -> Option<u32> {

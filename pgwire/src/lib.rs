@@ -61,13 +61,7 @@ impl WireError {
     pub fn is_transient(&self) -> bool {
         match self {
             WireError::Config(_) | WireError::Auth(_) | WireError::Tls(_) => false,
-            WireError::Server(e) => !matches!(
-                e.code.as_str(),
-                // invalid_authorization_specification, insufficient_privilege,
-                // undefined_object, object_not_in_prerequisite_state,
-                // invalid_password, invalid_parameter_value, syntax error
-                "28000" | "42501" | "42704" | "55000" | "28P01" | "22023" | "42601"
-            ),
+            WireError::Server(e) => trellara_common::retry::transient(&e.code),
             _ => true,
         }
     }

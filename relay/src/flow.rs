@@ -110,21 +110,17 @@ pub enum FlowError {
 
 impl FlowError {
     /// Whether following again may succeed without anyone fixing anything:
-    /// a database that could not be reached, went away or shut down (the
-    /// next round reconnects and resumes from the target's checkpoint).
+    /// a database that could not be reached or went away, or a server
+    /// error that is not permanent, an unknown one included (the next
+    /// round reconnects and resumes from the target's checkpoint).
     pub fn retryable(&self) -> bool {
+        // A session lost, or a server error the one classifier calls
+        // transient (trellara_common::retry).
         fn unreachable(e: &tokio_postgres::Error) -> bool {
             e.is_closed()
                 || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
-                || e.as_db_error().is_some_and(|d| {
-                    let code = d.code().code();
-                    // Connection exceptions, resources, and the shutdowns of
-                    // operator intervention (not its statement timeout or
-                    // dropped database, which need someone).
-                    code.starts_with("08")
-                        || code.starts_with("53")
-                        || matches!(code, "57P01" | "57P02" | "57P03")
-                })
+                || e.as_db_error()
+                    .is_some_and(|d| trellara_common::retry::transient(d.code().code()))
         }
         match self {
             FlowError::ConnectTimeout { .. } | FlowError::LockLost { .. } => true,

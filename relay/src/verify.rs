@@ -481,6 +481,30 @@ async fn verify_table(
 pub const CHUNK_ROWS: u64 = 1_000_000;
 
 /// Runs every check for `flow` and records the verdict in the target.
+/// The commands a divergence's recovery names.
+struct Commands {
+    run: String,
+    reseed: String,
+    /// What to do when a running process holds what verify must read.
+    busy: String,
+}
+
+impl Commands {
+    fn of(flow: &Flow, config_path: &str) -> Self {
+        Commands {
+            run: format!("trellara run --config {config_path} --flow {}", flow.name),
+            reseed: format!(
+                "trellara reseed --config {config_path} --flow {}",
+                flow.name
+            ),
+            busy: format!(
+                "stop the trellara process running flow {} (run --follow or relay), then rerun verify",
+                flow.name
+            ),
+        }
+    }
+}
+
 pub async fn verify(
     flow: &Flow,
     source: &Client,
@@ -501,19 +525,103 @@ pub async fn verify(
     // this run's state only.
     let snapshot = crate::snapshot::load(target, &flow.name)
         .await
-        .map_err(|e| match e {
-            crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
-            other => VerifyError::State(other.to_string()),
-        })?;
-    let run = format!("trellara run --config {config_path} --flow {}", flow.name);
-    let reseed = format!(
-        "trellara reseed --config {config_path} --flow {}",
-        flow.name
-    );
+        .map_err(state_error)?;
+    let commands = Commands::of(flow, config_path);
     // Everything committed before verify started, however it was
     // committed: the slot is peeked once it is flushed (crate::horizon).
     let horizon = crate::horizon::last_record_end(source).await?;
     let mut divergences = Vec::new();
+    let tables = compare_tables(
+        flow,
+        source,
+        target,
+        only_table,
+        chunk_rows,
+        &commands,
+        &mut divergences,
+    )
+    .await?;
+    let checkpoint = crate::state::checkpoint::read(target, &flow.name)
+        .await
+        .map_err(VerifyError::Target)?;
+    watermarks(flow, source, target, horizon, &commands, &mut divergences).await?;
+    let quarantined = crate::state::quarantine::open(target, &flow.name)
+        .await
+        .map_err(VerifyError::Target)?;
+    for q in &quarantined {
+        divergences.push(Divergence {
+            code: "QUARANTINED",
+            detail: format!(
+                "transaction at {} is quarantined: {}",
+                q.commit_lsn, q.reason
+            ),
+            recovery: format!("fix the cause, then {}", commands.run),
+        });
+    }
+    let state = snapshot.as_ref().map(|s| s.state);
+    if !matches!(
+        state,
+        Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
+    ) {
+        divergences.push(Divergence {
+            code: "HANDOFF_INCOMPLETE",
+            detail: format!(
+                "the snapshot run is {}",
+                state.map_or("missing", SnapshotState::as_str)
+            ),
+            recovery: commands.run.clone(),
+        });
+    }
+    let mut verdict = Verdict {
+        flow: flow.name.clone(),
+        // Behind is lag, not a divergence: the rows cannot be judged
+        // until the target has caught up, and the fix is a run.
+        result: if divergences.is_empty() {
+            "CONVERGED"
+        } else if divergences.iter().any(|d| d.code == "WATERMARK_BEHIND") {
+            "WATERMARK_BEHIND"
+        } else {
+            "DIVERGED"
+        },
+        tables,
+        divergences,
+        target_watermark: checkpoint.as_ref().map(|c| c.end_lsn.to_string()),
+        snapshot_state: state.map(|s| s.as_str().to_owned()),
+        consistent_lsn: snapshot
+            .as_ref()
+            .and_then(|s| s.consistent_lsn.map(|l| l.to_string())),
+        transactions_applied: checkpoint.as_ref().map_or(0, |c| c.transactions),
+        duplicates_skipped: checkpoint.as_ref().map_or(0, |c| c.duplicates_skipped),
+        only_table: only_table.map(str::to_owned),
+        notes: sequence_notes(flow, source, target, &commands).await,
+    };
+    settle(flow, target, snapshot.as_ref(), &mut verdict).await?;
+    let evidence = serde_json::to_string(&verdict).unwrap_or_default();
+    crate::state::verdicts::record(target, &flow.name, verdict.result, &evidence)
+        .await
+        .map_err(VerifyError::Target)?;
+    Ok(verdict)
+}
+
+fn state_error(e: crate::snapshot::SnapshotError) -> VerifyError {
+    match e {
+        crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
+        other => VerifyError::State(other.to_string()),
+    }
+}
+
+/// Compares each table of the flow (or `only_table`), adding a divergence
+/// for each that differs.
+async fn compare_tables(
+    flow: &Flow,
+    source: &Client,
+    target: &Client,
+    only_table: Option<&str>,
+    chunk_rows: u64,
+    commands: &Commands,
+    divergences: &mut Vec<Divergence>,
+) -> Result<Vec<TableEvidence>, VerifyError> {
+    let Commands { run, reseed, .. } = commands;
     let mut tables = Vec::new();
     for table in flow
         .tables
@@ -547,19 +655,19 @@ pub async fn verify(
         }
         tables.push(e);
     }
+    Ok(tables)
+}
 
-    let checkpoint = crate::state::checkpoint::read(target, &flow.name)
-        .await
-        .map_err(VerifyError::Target)?;
-    let (watermark, transactions, duplicates) = match &checkpoint {
-        Some(c) => (
-            Some(c.end_lsn.to_string()),
-            c.transactions,
-            c.duplicates_skipped,
-        ),
-        None => (None, 0, 0),
-    };
-    // Watermark: nothing durable past the applier, nothing pending in the slot.
+/// The watermark checks: nothing durable past the applier (in the log, or
+/// the topic), nothing committed before `horizon` pending in the slot.
+async fn watermarks(
+    flow: &Flow,
+    source: &Client,
+    target: &Client,
+    horizon: trellara_common::Lsn,
+    commands: &Commands,
+    divergences: &mut Vec<Divergence>,
+) -> Result<(), VerifyError> {
     let lock = match flow.log_dir() {
         Some(dir) if dir.exists() => {
             crate::lock::try_lock(dir).map_err(|source| VerifyError::LogLock {
@@ -571,68 +679,16 @@ pub async fn verify(
     };
     // What a running process holds cannot be read here, and a watermark
     // that is not checked is no convergence.
-    let busy = format!(
-        "stop the trellara process running flow {} (run --follow or relay), then rerun verify",
-        flow.name
-    );
-    if lock.is_none() && flow.log_dir().is_some_and(Path::exists) {
-        divergences.push(Divergence {
+    match (flow.log_dir(), &lock) {
+        (Some(dir), None) if dir.exists() => divergences.push(Divergence {
             code: "WATERMARK_UNVERIFIED",
             detail: "the log was not read: a running trellara process (run --follow or relay) holds it, so what it captured but has not applied is unknown".to_owned(),
-            recovery: busy.clone(),
-        });
-    }
-    if let (Some(dir), Some(_lock), crate::config::Transport::Kafka { topic, .. }) =
-        (flow.log_dir(), &lock, &flow.transport)
-    {
-        // Store and forward: the log up to the publisher's cursor is in
-        // the topic; the topic up to the checkpoint is applied.
-        let (log, _) = Log::open(FsStorage::new(), dir, LogConfig::default())?;
-        let published = log.cursor(&crate::transport::kafka::publisher_cursor(&flow.name));
-        let next = published.map_or(log.first_offset(), |c| c.next_offset);
-        if next < log.next_offset() {
-            divergences.push(Divergence {
-                code: "WATERMARK_BEHIND",
-                detail: format!(
-                    "{} captured transactions are not published to topic {topic} yet (log offsets {next}..{})",
-                    log.next_offset() - next,
-                    log.next_offset()
-                ),
-                recovery: run.clone(),
-            });
+            recovery: commands.busy.clone(),
+        }),
+        (Some(dir), Some(_)) => {
+            log_behind(flow, dir, target, &commands.run, divergences).await?;
         }
-        let applied = crate::state::checkpoint::applied(target, &flow.name)
-            .await
-            .map_err(VerifyError::Target)?;
-        if let Some(last) = published.and_then(|c| c.last_commit_lsn)
-            && applied.is_none_or(|a| a.0 < last)
-        {
-            divergences.push(Divergence {
-                code: "WATERMARK_BEHIND",
-                detail: format!(
-                    "topic {topic} holds transactions up to commit {} the target has not applied (checkpoint {})",
-                    trellara_common::Lsn(last),
-                    applied.map_or("none".to_owned(), |a| a.to_string())
-                ),
-                recovery: run.clone(),
-            });
-        }
-    } else if let (Some(dir), Some(_lock)) = (flow.log_dir(), &lock) {
-        let (log, _) = Log::open(FsStorage::new(), dir, LogConfig::default())?;
-        let cursor = log
-            .cursor(&crate::apply::cursor_name(&flow.name))
-            .map_or(log.first_offset(), |c| c.next_offset);
-        if cursor < log.next_offset() {
-            divergences.push(Divergence {
-                code: "WATERMARK_BEHIND",
-                detail: format!(
-                    "{} captured transactions are not applied yet (log offsets {cursor}..{})",
-                    log.next_offset() - cursor,
-                    log.next_offset()
-                ),
-                recovery: run.clone(),
-            });
-        }
+        _ => {}
     }
     // Decoding sees flushed WAL only: an asynchronous commit not flushed
     // yet would be missed by the peek, and taken for a divergence.
@@ -648,9 +704,82 @@ pub async fn verify(
             recovery: "check the source's walwriter and disk (pg_stat_wal), then rerun verify".into(),
         });
     }
-    // Peek with the slot's own plugin: pgoutput with the publication, or
-    // the native plugin restricted to the flow's tables.
-    let pending = match flow.capture {
+    // Held until the slot is peeked: a process that took the log between
+    // would stream the slot and move what was just read.
+    let pending = slot_pending(flow, source).await;
+    drop(lock);
+    divergences.extend(pending_divergence(flow, pending, commands));
+    Ok(())
+}
+
+/// What the log (and, store and forward, the topic) holds that the target
+/// has not applied. The caller holds the log's lock.
+async fn log_behind(
+    flow: &Flow,
+    dir: &Path,
+    target: &Client,
+    run: &str,
+    divergences: &mut Vec<Divergence>,
+) -> Result<(), VerifyError> {
+    let (log, _) = Log::open(FsStorage::new(), dir, LogConfig::default())?;
+    let crate::config::Transport::Kafka { topic, .. } = &flow.transport else {
+        let cursor = log
+            .cursor(&crate::apply::cursor_name(&flow.name))
+            .map_or(log.first_offset(), |c| c.next_offset);
+        if cursor < log.next_offset() {
+            divergences.push(Divergence {
+                code: "WATERMARK_BEHIND",
+                detail: format!(
+                    "{} captured transactions are not applied yet (log offsets {cursor}..{})",
+                    log.next_offset() - cursor,
+                    log.next_offset()
+                ),
+                recovery: run.to_owned(),
+            });
+        }
+        return Ok(());
+    };
+    // Store and forward: the log up to the publisher's cursor is in the
+    // topic; the topic up to the checkpoint is applied.
+    let published = log.cursor(&crate::transport::kafka::publisher_cursor(&flow.name));
+    let next = published.map_or(log.first_offset(), |c| c.next_offset);
+    if next < log.next_offset() {
+        divergences.push(Divergence {
+            code: "WATERMARK_BEHIND",
+            detail: format!(
+                "{} captured transactions are not published to topic {topic} yet (log offsets {next}..{})",
+                log.next_offset() - next,
+                log.next_offset()
+            ),
+            recovery: run.to_owned(),
+        });
+    }
+    let applied = crate::state::checkpoint::applied(target, &flow.name)
+        .await
+        .map_err(VerifyError::Target)?;
+    if let Some(last) = published.and_then(|c| c.last_commit_lsn)
+        && applied.is_none_or(|a| a.0 < last)
+    {
+        divergences.push(Divergence {
+            code: "WATERMARK_BEHIND",
+            detail: format!(
+                "topic {topic} holds transactions up to commit {} the target has not applied (checkpoint {})",
+                trellara_common::Lsn(last),
+                applied.map_or("none".to_owned(), |a| a.to_string())
+            ),
+            recovery: run.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Peeks the slot with its own plugin (pgoutput with the publication, or
+/// the native plugin restricted to the flow's tables) for one change.
+async fn slot_pending(
+    flow: &Flow,
+    source: &Client,
+) -> Result<Option<tokio_postgres::Row>, tokio_postgres::Error> {
+    match flow.capture {
         crate::config::CapturePath::External => {
             source
                 .query_opt(
@@ -667,30 +796,34 @@ pub async fn verify(
                 )
                 .await
         }
-    };
-    drop(lock);
+    }
+}
+
+fn pending_divergence(
+    flow: &Flow,
+    pending: Result<Option<tokio_postgres::Row>, tokio_postgres::Error>,
+    commands: &Commands,
+) -> Option<Divergence> {
     match pending {
-        Ok(Some(r)) if r.get::<_, i64>(0) > 0 => divergences.push(Divergence {
+        Ok(Some(r)) if r.get::<_, i64>(0) > 0 => Some(Divergence {
             code: "WATERMARK_BEHIND",
             detail: format!(
                 "slot {} holds committed changes not yet captured",
                 flow.slot()
             ),
-            recovery: run.clone(),
+            recovery: commands.run.clone(),
         }),
-        Ok(_) => {}
+        Ok(_) => None,
         // object_in_use: our relay is streaming the slot right now.
-        Err(e) if e.as_db_error().is_some_and(|d| d.code().code() == "55006") => {
-            divergences.push(Divergence {
-                code: "WATERMARK_UNVERIFIED",
-                detail: format!(
-                    "slot {} is being streamed, so its uncaptured changes could not be peeked",
-                    flow.slot()
-                ),
-                recovery: busy.clone(),
-            });
-        }
-        Err(e) => divergences.push(Divergence {
+        Err(e) if e.as_db_error().is_some_and(|d| d.code().code() == "55006") => Some(Divergence {
+            code: "WATERMARK_UNVERIFIED",
+            detail: format!(
+                "slot {} is being streamed, so its uncaptured changes could not be peeked",
+                flow.slot()
+            ),
+            recovery: commands.busy.clone(),
+        }),
+        Err(e) => Some(Divergence {
             code: "WATERMARK_UNVERIFIED",
             detail: format!(
                 "could not check slot {} for uncaptured changes: {}",
@@ -704,38 +837,18 @@ pub async fn verify(
             ),
         }),
     }
+}
 
-    let quarantined = crate::state::quarantine::open(target, &flow.name)
-        .await
-        .map_err(VerifyError::Target)?;
-    for q in &quarantined {
-        divergences.push(Divergence {
-            code: "QUARANTINED",
-            detail: format!(
-                "transaction at {} is quarantined: {}",
-                q.commit_lsn, q.reason
-            ),
-            recovery: format!("fix the cause, then {run}"),
-        });
-    }
-
-    let state = snapshot.as_ref().map(|s| s.state);
-    if !matches!(
-        state,
-        Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
-    ) {
-        divergences.push(Divergence {
-            code: "HANDOFF_INCOMPLETE",
-            detail: format!(
-                "the snapshot run is {}",
-                state.map_or("missing", SnapshotState::as_str)
-            ),
-            recovery: run.clone(),
-        });
-    }
-
-    // Sequences are not transactional: one behind is a note.
-    let notes = match crate::sequences::owned(flow, source, target).await {
+/// Sequences are not transactional: one behind is a note, not a
+/// divergence.
+async fn sequence_notes(
+    flow: &Flow,
+    source: &Client,
+    target: &Client,
+    commands: &Commands,
+) -> Vec<String> {
+    let run = &commands.run;
+    match crate::sequences::owned(flow, source, target).await {
         Ok(owned) => owned
             .iter()
             .filter(|s| s.behind())
@@ -754,35 +867,20 @@ pub async fn verify(
             "the sequences of the flow's tables could not be compared: {}",
             e.as_db_error().map_or_else(|| e.to_string(), |d| d.message().to_owned())
         )],
-    };
-    let mut verdict = Verdict {
-        flow: flow.name.clone(),
-        // Behind is lag, not a divergence: the rows cannot be judged
-        // until the target has caught up, and the fix is a run.
-        result: if divergences.is_empty() {
-            "CONVERGED"
-        } else if divergences.iter().any(|d| d.code == "WATERMARK_BEHIND") {
-            "WATERMARK_BEHIND"
-        } else {
-            "DIVERGED"
-        },
-        tables,
-        divergences,
-        target_watermark: watermark,
-        snapshot_state: state.map(|s| s.as_str().to_owned()),
-        consistent_lsn: snapshot
-            .as_ref()
-            .and_then(|s| s.consistent_lsn.map(|l| l.to_string())),
-        transactions_applied: transactions,
-        duplicates_skipped: duplicates,
-        only_table: only_table.map(str::to_owned),
-        notes,
-    };
-    // Verification is a state transition as well as a report, on the
-    // evidence of every table only. A verified run goes back only on
-    // evidence that its copy is wrong: rows that differ while the target
-    // has applied everything. Lag, a quarantined transaction or an
-    // unchecked watermark explain a difference without it.
+    }
+}
+
+/// Verification is a state transition as well as a report, on the
+/// evidence of every table only. A verified run goes back only on evidence
+/// that its copy is wrong: rows that differ while the target has applied
+/// everything. Lag, a quarantined transaction or an unchecked watermark
+/// explain a difference without it.
+async fn settle(
+    flow: &Flow,
+    target: &Client,
+    seen: Option<&crate::snapshot::RunState>,
+    verdict: &mut Verdict,
+) -> Result<(), VerifyError> {
     let data_differs = verdict
         .divergences
         .iter()
@@ -793,46 +891,38 @@ pub async fn verify(
             "WATERMARK_BEHIND" | "WATERMARK_UNVERIFIED" | "QUARANTINED"
         )
     });
+    let state = seen.map(|s| s.state);
     let next = match (state, verdict.converged()) {
-        _ if only_table.is_some() => None,
+        _ if verdict.only_table.is_some() => None,
         (Some(SnapshotState::StreamHandoffReady), true) => Some(SnapshotState::Verified),
         (Some(SnapshotState::Verified), false) if data_differs && !explained => {
             Some(SnapshotState::FailedRecoverable)
         }
         _ => None,
     };
-    if let Some(next) = next {
-        let reason = (!verdict.converged()).then(|| {
-            verdict
-                .divergences
-                .iter()
-                .map(|d| d.code)
-                .collect::<Vec<_>>()
-                .join(", ")
-        });
-        let seen = snapshot
-            .as_ref()
-            .ok_or_else(|| VerifyError::State("the run vanished".into()))?;
-        let moved =
-            crate::snapshot::transition_from(target, &flow.name, seen, next, reason.as_deref())
-                .await
-                .map_err(|e| match e {
-                    crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
-                    other => VerifyError::State(other.to_string()),
-                })?;
-        if moved {
-            verdict.snapshot_state = Some(next.as_str().to_owned());
-        } else {
-            // A reseed re-planned the run while verify compared: this
-            // verdict is about the run before it and moves nothing.
-            tracing::warn!(flow = %flow.name, "the snapshot run changed while verify ran; its state was left as is");
-        }
-    }
-    let evidence = serde_json::to_string(&verdict).unwrap_or_default();
-    crate::state::verdicts::record(target, &flow.name, verdict.result, &evidence)
+    let Some(next) = next else {
+        return Ok(());
+    };
+    let reason = (!verdict.converged()).then(|| {
+        verdict
+            .divergences
+            .iter()
+            .map(|d| d.code)
+            .collect::<Vec<_>>()
+            .join(", ")
+    });
+    let seen = seen.ok_or_else(|| VerifyError::State("the run vanished".into()))?;
+    let moved = crate::snapshot::transition_from(target, &flow.name, seen, next, reason.as_deref())
         .await
-        .map_err(VerifyError::Target)?;
-    Ok(verdict)
+        .map_err(state_error)?;
+    if moved {
+        verdict.snapshot_state = Some(next.as_str().to_owned());
+    } else {
+        // A reseed re-planned the run while verify compared: this verdict
+        // is about the run before it and moves nothing.
+        tracing::warn!(flow = %flow.name, "the snapshot run changed while verify ran; its state was left as is");
+    }
+    Ok(())
 }
 
 fn ranges(e: &TableEvidence) -> String {

@@ -1166,6 +1166,9 @@ impl<T: Target> Applier<T> {
                         .await?;
                     self.flush(&mut pending).await?;
                 }
+                // Applied: a chunk holding a wide value is not kept while
+                // the next one is read.
+                current.changes = Vec::new();
                 if boundary.chunk_index + 1 >= boundary.chunk_count {
                     let mut settle = Settle {
                         settled: vec![Lsn(commit)],
@@ -1222,6 +1225,7 @@ impl<T: Target> Applier<T> {
                 if next.commit_lsn != commit || b.chunk_index != boundary.chunk_index + 1 {
                     return Ok(ChunkStep::Restart(record));
                 }
+                drop(record);
                 current = next;
             }
         }

@@ -16,6 +16,7 @@
 //! message, so it costs no round trip.
 
 use super::{QuarantineRecord, Refusal, Settle, Target, TargetError};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -42,18 +43,23 @@ const COPY_ROWS: usize = 200;
 /// COPY data goes out in pieces of about this size, so the server parses
 /// one while the next is built.
 const COPY_PIECE: usize = 256 << 10;
+/// A row holding a value this long goes as COPY, which sends it in
+/// pieces: as a bound parameter it would be copied whole into the
+/// session's buffers (twice the value, and more), whatever its size.
+const WIDE_VALUE: usize = COPY_PIECE;
 
-/// SQLSTATE classes that say nothing about the data: serialization and
-/// deadlock (40), resources (53), lock not available (55P03), operator
-/// intervention / shutdown (57), connection (08).
+fn wide(row: &RowChange) -> bool {
+    row.after
+        .iter()
+        .any(|v| matches!(&v.kind, Some(value::Kind::Text(t)) if t.len() > WIDE_VALUE))
+}
+
+/// Whether the target's error may pass on a retry: a database error by
+/// its SQLSTATE ([`trellara_common::retry`]), any other (a lost session)
+/// always. A permanent one is about the data, and quarantines.
 fn transient(e: &tokio_postgres::Error) -> bool {
-    match e.as_db_error() {
-        None => true,
-        Some(db) => {
-            let code = db.code().code();
-            ["40", "53", "57", "08"].iter().any(|c| code.starts_with(c)) || code == "55P03"
-        }
-    }
+    e.as_db_error()
+        .is_none_or(|db| trellara_common::retry::transient(db.code().code()))
 }
 
 impl From<tokio_postgres::Error> for Refusal {
@@ -323,16 +329,22 @@ impl PgTarget {
                 }
                 // Text, the common case, is escaped straight from the
                 // envelope, not copied into a String first.
-                match &v.kind {
-                    Some(value::Kind::Text(text)) => copy_escape(text, &mut data),
-                    _ => match text_in(
-                        &table.qualified,
-                        columns.get(i).map_or("?", String::as_str),
-                        v,
-                    )? {
-                        None => data.extend_from_slice(b"\\N"),
-                        Some(text) => copy_escape(&text, &mut data),
-                    },
+                match text_in(
+                    &table.qualified,
+                    columns.get(i).map_or("?", String::as_str),
+                    v,
+                )? {
+                    None => data.extend_from_slice(b"\\N"),
+                    Some(text) => {
+                        // A wide value goes in pieces: no buffer ever holds
+                        // all of it a second time.
+                        for piece in text.as_bytes().chunks(COPY_PIECE) {
+                            copy_escape(piece, &mut data);
+                            if data.len() >= COPY_PIECE {
+                                open.sink.send(data.split().freeze()).await?;
+                            }
+                        }
+                    }
                 }
             }
             data.extend_from_slice(b"\n");
@@ -514,7 +526,9 @@ impl Target for PgTarget {
         relation: &RelationSchema,
         rows: &[&RowChange],
     ) -> Result<(), Refusal> {
-        let copy = rows.len() >= COPY_ROWS || rows.len() * relation.columns.len() > MAX_PARAMS;
+        let copy = rows.len() >= COPY_ROWS
+            || rows.len() * relation.columns.len() > MAX_PARAMS
+            || rows.iter().any(|r| wide(r));
         // An open COPY continues only when nothing else has to be sent
         // first (the table's columns are known).
         if !(copy && self.copy.is_some() && self.tables.contains_key(&qualified(relation))) {
@@ -529,7 +543,7 @@ impl Target for PgTarget {
         if copy {
             return self.copy_rows(&table, &columns, rows).await;
         }
-        let mut params: Vec<Option<String>> = Vec::with_capacity(rows.len() * columns.len());
+        let mut params: Vec<Option<Cow<'_, str>>> = Vec::with_capacity(rows.len() * columns.len());
         let mut tuples = Vec::with_capacity(rows.len());
         for row in rows {
             let mut values = Vec::with_capacity(columns.len());
@@ -587,7 +601,7 @@ impl Target for PgTarget {
                 table.types.get(col).map_or("text", String::as_str)
             )
         };
-        let mut params: Vec<Option<String>> = Vec::new();
+        let mut params: Vec<Option<Cow<'_, str>>> = Vec::new();
         let mut sets = Vec::new();
         if update {
             for (col, v) in relation.columns.iter().zip(&row.after) {
@@ -695,8 +709,7 @@ impl Target for PgTarget {
 
 /// COPY text format: backslash, newline, carriage return and tab escaped.
 /// Runs between them are copied whole (most values have none).
-fn copy_escape(text: &str, out: &mut bytes::BytesMut) {
-    let bytes = text.as_bytes();
+fn copy_escape(bytes: &[u8], out: &mut bytes::BytesMut) {
     let mut start = 0;
     for (i, &b) in bytes.iter().enumerate() {
         let escaped: &[u8] = match b {
@@ -715,20 +728,26 @@ fn copy_escape(text: &str, out: &mut bytes::BytesMut) {
 
 /// A column value as text for `$n::text::type`; NULL as None.
 /// [`text_of`] naming the table and column a refused value was for.
-fn text_in(table: &str, column: &str, v: &envelope::Value) -> Result<Option<String>, Refusal> {
+fn text_in<'v>(
+    table: &str,
+    column: &str,
+    v: &'v envelope::Value,
+) -> Result<Option<Cow<'v, str>>, Refusal> {
     text_of(v).map_err(|e| match e {
         Refusal::Data(reason) => Refusal::Data(format!("{table}, column {column}: {reason}")),
         other => other,
     })
 }
 
-pub(crate) fn text_of(v: &envelope::Value) -> Result<Option<String>, Refusal> {
+/// A value's text form; text, the common case, borrowed from the envelope
+/// (a wide value is not copied once more on its way to the target).
+pub(crate) fn text_of(v: &envelope::Value) -> Result<Option<Cow<'_, str>>, Refusal> {
     Ok(match &v.kind {
         Some(value::Kind::Null(_)) => None,
-        Some(value::Kind::Text(s)) => Some(s.clone()),
-        Some(value::Kind::Boolean(b)) => Some(b.to_string()),
-        Some(value::Kind::Int64(i)) => Some(i.to_string()),
-        Some(value::Kind::Float64(f)) => Some(f.to_string()),
+        Some(value::Kind::Text(s)) => Some(Cow::Borrowed(s)),
+        Some(value::Kind::Boolean(b)) => Some(Cow::Owned(b.to_string())),
+        Some(value::Kind::Int64(i)) => Some(Cow::Owned(i.to_string())),
+        Some(value::Kind::Float64(f)) => Some(Cow::Owned(f.to_string())),
         Some(value::Kind::Binary(_)) => {
             return Err(Refusal::Data(
                 "binary-format values are not supported by the Postgres applier yet".into(),
@@ -749,9 +768,9 @@ mod tests {
     #[test]
     fn copy_escape_escapes_exactly_the_four_specials() {
         let mut out = bytes::BytesMut::new();
-        copy_escape("plain", &mut out);
-        copy_escape("|a\tb\\c\nd\re\\N|", &mut out);
-        copy_escape("ünï\\", &mut out);
+        copy_escape(b"plain", &mut out);
+        copy_escape(b"|a\tb\\c\nd\re\\N|", &mut out);
+        copy_escape("ünï\\".as_bytes(), &mut out);
         assert_eq!(&out[..], "plain|a\\tb\\\\c\\nd\\re\\\\N|ünï\\\\".as_bytes());
     }
 }

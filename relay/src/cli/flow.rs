@@ -1043,141 +1043,164 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             })),
             None => None,
         };
-        let value = rt.block_on(async {
-            let (source_url, target_url) = flow::urls(f, index)?;
-            let target = flow::connect(&target_url, "target").await?;
-            if !crate::state::present(&target).await? {
-                let mut v = json!({
-                    "flow": f.name,
-                    "never_ran": true,
-                    "next": [format!("trellara preflight --config {path}"), format!("trellara run --config {path} --flow {} --local --verify", f.name)],
-                });
-                if let Some(t) = throwaway {
-                    v["throwaway_target"] = t;
-                }
-                return anyhow::Ok(v);
-            }
-            let checkpoint = crate::state::checkpoint::read(&target, &f.name).await?;
-            let snapshot = crate::state::runs::row(&target, &f.name).await?;
-            let quarantine = crate::state::quarantine::open(&target, &f.name).await?;
-            let last_verify = crate::state::verdicts::last(&target, &f.name).await?;
-            let mut v = json!({
-                "flow": f.name,
-                "checkpoint": checkpoint.map(|c| json!({"commit_lsn": c.commit_lsn.to_string(), "end_lsn": c.end_lsn.to_string(), "transactions": c.transactions, "duplicates_skipped": c.duplicates_skipped, "updated_at": c.updated_at})),
-                "snapshot": snapshot.map(|s| json!({"state": s.run.state.as_str(), "consistent_lsn": s.run.consistent_lsn.map(|l| l.to_string()), "run_id": s.run.run_id, "reason": s.reason})),
-                "quarantined": quarantine.iter().map(|q| json!({"commit_lsn": q.commit_lsn, "xid": q.xid, "reason": q.reason, "recovery": q.recovery, "attempts": q.attempts})).collect::<Vec<_>>(),
-                "last_verify": last_verify.map(|(verdict, at)| json!({"verdict": verdict, "at": at})),
-                "never_ran": false,
-            });
-            if let Some(t) = throwaway {
-                v["throwaway_target"] = t;
-            }
-            if let Some(stop) = crate::state::stop(&target, &f.name).await? {
-                v["stopped"] = serde_json::to_value(stop)?;
-            }
-            v["slot"] = slot_state(f, &source_url).await;
-            if matches!(args.view, View::Diagnostics)
-                && let Some(dir) = f.log_dir()
-                && dir.exists()
-            {
-                let Some(_lock) = crate::lock::try_lock(dir)? else {
-                    v["log"] = json!({"dir": dir.display().to_string(), "in_use": true});
-                    return anyhow::Ok(v);
-                };
-                let (log, _) = crate::log::Log::open(crate::log::storage::FsStorage::new(), dir, crate::log::LogConfig::default())?;
-                v["log"] = json!({
-                    "dir": dir.display().to_string(),
-                    "next_offset": log.next_offset(),
-                    "cursors": log.cursors().iter().map(|(n, p)| json!({"consumer": n, "next_offset": p.next_offset})).collect::<Vec<_>>(),
-                    "retention_pressure": log.retention_pressure().iter().map(|p| json!({"consumer": p.consumer, "held_bytes": p.held_bytes})).collect::<Vec<_>>(),
-                });
-            }
-            anyhow::Ok(v)
-        })
-        .with_context(|| format!("status flow {}", f.name))?;
+        let value = rt
+            .block_on(flow_status(f, index, args.view, &path, throwaway))
+            .with_context(|| format!("status flow {}", f.name))?;
         out.push(value);
     }
     match args.format {
         Format::Json => outln!("{}", serde_json::to_string_pretty(&out)?),
         Format::Text => {
             for v in &out {
-                outln!("flow {}", v["flow"].as_str().unwrap_or(""));
-                if let Some(t) = v.get("throwaway_target").filter(|t| !t.is_null()) {
-                    outln!(
-                        "  target      throwaway cluster in {} ({}; teardown removes it)",
-                        t["dir"].as_str().unwrap_or(""),
-                        if t["was_running"] == true {
-                            "running"
-                        } else {
-                            "was stopped, started for this command"
-                        }
-                    );
-                }
-                if v["never_ran"] == true {
-                    outln!(
-                        "  never ran against this target (no trellara state tables): trellara run --config {} --flow {} --local",
-                        args.config.display(),
-                        v["flow"].as_str().unwrap_or("")
-                    );
-                    continue;
-                }
-                if let Some(stop) = v.get("stopped") {
-                    outln!(
-                        "  STOPPED     {} at {}",
-                        stop["detail"].as_str().unwrap_or(""),
-                        stop["stopped_at"].as_str().unwrap_or("")
-                    );
-                    for c in stop["commands"].as_array().into_iter().flatten() {
-                        outln!("    next: {}", c.as_str().unwrap_or(""));
-                    }
-                }
-                let slot = &v["slot"];
-                outln!(
-                    "  slot        {} {}",
-                    slot["name"].as_str().unwrap_or(""),
-                    slot["state"].as_str().unwrap_or("")
-                );
-                outln!(
-                    "  snapshot    {}",
-                    v["snapshot"]["state"].as_str().unwrap_or("none")
-                );
-                if v["checkpoint"].is_null() {
-                    outln!(
-                        "  applied     nothing yet (no checkpoint: the first run has not handed off)"
-                    );
-                } else {
-                    outln!(
-                        "  applied     {} transactions through {} ({} duplicates skipped)",
-                        v["checkpoint"]["transactions"],
-                        v["checkpoint"]["commit_lsn"].as_str().unwrap_or("-"),
-                        v["checkpoint"]["duplicates_skipped"]
-                    );
-                }
-                outln!(
-                    "  last verify {}",
-                    v["last_verify"]["verdict"].as_str().unwrap_or("never")
-                );
-                let q = v["quarantined"].as_array().map_or(0, Vec::len);
-                outln!("  quarantine  {q} open");
-                for item in v["quarantined"].as_array().into_iter().flatten() {
-                    outln!(
-                        "    {} {}\n      recovery: {}",
-                        item["commit_lsn"].as_str().unwrap_or(""),
-                        item["reason"].as_str().unwrap_or(""),
-                        item["recovery"].as_str().unwrap_or("")
-                    );
-                }
-                if let Some(log) = v.get("log") {
-                    outln!(
-                        "  log         {} records; cursors {}",
-                        log["next_offset"],
-                        log["cursors"]
-                    );
-                }
+                print_status(&path, v);
             }
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One flow's status, from the target's state tables, the slot and (with
+/// diagnostics) the log.
+async fn flow_status(
+    f: &config::Flow,
+    index: usize,
+    view: View,
+    path: &str,
+    throwaway: Option<serde_json::Value>,
+) -> anyhow::Result<serde_json::Value> {
+    let (source_url, target_url) = flow::urls(f, index)?;
+    let target = flow::connect(&target_url, "target").await?;
+    if !crate::state::present(&target).await? {
+        let mut v = json!({
+            "flow": f.name,
+            "never_ran": true,
+            "next": [format!("trellara preflight --config {path}"), format!("trellara run --config {path} --flow {} --local --verify", f.name)],
+        });
+        if let Some(t) = throwaway {
+            v["throwaway_target"] = t;
+        }
+        return Ok(v);
+    }
+    let checkpoint = crate::state::checkpoint::read(&target, &f.name).await?;
+    let snapshot = crate::state::runs::row(&target, &f.name).await?;
+    let quarantine = crate::state::quarantine::open(&target, &f.name).await?;
+    let last_verify = crate::state::verdicts::last(&target, &f.name).await?;
+    let mut v = json!({
+        "flow": f.name,
+        "checkpoint": checkpoint.map(|c| json!({"commit_lsn": c.commit_lsn.to_string(), "end_lsn": c.end_lsn.to_string(), "transactions": c.transactions, "duplicates_skipped": c.duplicates_skipped, "updated_at": c.updated_at})),
+        "snapshot": snapshot.map(|s| json!({"state": s.run.state.as_str(), "consistent_lsn": s.run.consistent_lsn.map(|l| l.to_string()), "run_id": s.run.run_id, "reason": s.reason})),
+        "quarantined": quarantine.iter().map(|q| json!({"commit_lsn": q.commit_lsn, "xid": q.xid, "reason": q.reason, "recovery": q.recovery, "attempts": q.attempts})).collect::<Vec<_>>(),
+        "last_verify": last_verify.map(|(verdict, at)| json!({"verdict": verdict, "at": at})),
+        "never_ran": false,
+    });
+    if let Some(t) = throwaway {
+        v["throwaway_target"] = t;
+    }
+    if let Some(stop) = crate::state::stop(&target, &f.name).await? {
+        v["stopped"] = serde_json::to_value(stop)?;
+    }
+    v["slot"] = slot_state(f, &source_url).await;
+    if matches!(view, View::Diagnostics)
+        && let Some(dir) = f.log_dir()
+        && dir.exists()
+    {
+        v["log"] = log_status(dir)?;
+    }
+    Ok(v)
+}
+
+/// The log's offsets, cursors and retention pressure; only `in_use` while
+/// a running process holds it.
+fn log_status(dir: &std::path::Path) -> anyhow::Result<serde_json::Value> {
+    let Some(_lock) = crate::lock::try_lock(dir)? else {
+        return Ok(json!({"dir": dir.display().to_string(), "in_use": true}));
+    };
+    let (log, _) = crate::log::Log::open(
+        crate::log::storage::FsStorage::new(),
+        dir,
+        crate::log::LogConfig::default(),
+    )?;
+    Ok(json!({
+        "dir": dir.display().to_string(),
+        "next_offset": log.next_offset(),
+        "cursors": log.cursors().iter().map(|(n, p)| json!({"consumer": n, "next_offset": p.next_offset})).collect::<Vec<_>>(),
+        "retention_pressure": log.retention_pressure().iter().map(|p| json!({"consumer": p.consumer, "held_bytes": p.held_bytes})).collect::<Vec<_>>(),
+    }))
+}
+
+/// `status --format text` of one flow.
+fn print_status(config_path: &str, v: &serde_json::Value) {
+    outln!("flow {}", v["flow"].as_str().unwrap_or(""));
+    if let Some(t) = v.get("throwaway_target").filter(|t| !t.is_null()) {
+        outln!(
+            "  target      throwaway cluster in {} ({}; teardown removes it)",
+            t["dir"].as_str().unwrap_or(""),
+            if t["was_running"] == true {
+                "running"
+            } else {
+                "was stopped, started for this command"
+            }
+        );
+    }
+    if v["never_ran"] == true {
+        outln!(
+            "  never ran against this target (no trellara state tables): trellara run --config {} --flow {} --local",
+            config_path,
+            v["flow"].as_str().unwrap_or("")
+        );
+        return;
+    }
+    if let Some(stop) = v.get("stopped") {
+        outln!(
+            "  STOPPED     {} at {}",
+            stop["detail"].as_str().unwrap_or(""),
+            stop["stopped_at"].as_str().unwrap_or("")
+        );
+        for c in stop["commands"].as_array().into_iter().flatten() {
+            outln!("    next: {}", c.as_str().unwrap_or(""));
+        }
+    }
+    let slot = &v["slot"];
+    outln!(
+        "  slot        {} {}",
+        slot["name"].as_str().unwrap_or(""),
+        slot["state"].as_str().unwrap_or("")
+    );
+    outln!(
+        "  snapshot    {}",
+        v["snapshot"]["state"].as_str().unwrap_or("none")
+    );
+    if v["checkpoint"].is_null() {
+        outln!("  applied     nothing yet (no checkpoint: the first run has not handed off)");
+    } else {
+        outln!(
+            "  applied     {} transactions through {} ({} duplicates skipped)",
+            v["checkpoint"]["transactions"],
+            v["checkpoint"]["commit_lsn"].as_str().unwrap_or("-"),
+            v["checkpoint"]["duplicates_skipped"]
+        );
+    }
+    outln!(
+        "  last verify {}",
+        v["last_verify"]["verdict"].as_str().unwrap_or("never")
+    );
+    let q = v["quarantined"].as_array().map_or(0, Vec::len);
+    outln!("  quarantine  {q} open");
+    for item in v["quarantined"].as_array().into_iter().flatten() {
+        outln!(
+            "    {} {}\n      recovery: {}",
+            item["commit_lsn"].as_str().unwrap_or(""),
+            item["reason"].as_str().unwrap_or(""),
+            item["recovery"].as_str().unwrap_or("")
+        );
+    }
+    if let Some(log) = v.get("log") {
+        outln!(
+            "  log         {} records; cursors {}",
+            log["next_offset"],
+            log["cursors"]
+        );
+    }
 }
 
 /// Exit status of preflight: 0 ready, 3 blocked, 2 could not check.

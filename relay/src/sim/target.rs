@@ -9,6 +9,7 @@
 
 use crate::apply::{QuarantineRecord, Refusal, Settle, Target, TargetError, postgres::text_of};
 use crate::state::SnapshotState;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use trellara_common::Lsn;
 use trellara_common::envelope::{BeforeImage, Operation, RelationSchema, RowChange, value};
@@ -293,7 +294,7 @@ impl Target for SimTarget {
             let values = row
                 .after
                 .iter()
-                .map(text_of)
+                .map(|v| text_of(v).map(|t| t.map(Cow::into_owned)))
                 .collect::<Result<Vec<_>, _>>()?;
             check(max_note, relation, &values)?;
             let key = key_of(relation, &row.after);
@@ -336,7 +337,7 @@ impl Target for SimTarget {
             for (i, v) in row.after.iter().enumerate() {
                 new.push(match v.kind {
                     Some(value::Kind::UnchangedToast(_)) => old.get(i).cloned().flatten(),
-                    _ => text_of(v)?,
+                    _ => text_of(v)?.map(Cow::into_owned),
                 });
             }
             check(max_note, relation, &new)?;

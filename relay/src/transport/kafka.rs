@@ -49,6 +49,13 @@ const BATCH_RECORDS: usize = 1_000;
 const BATCH_BYTES: usize = 8 << 20;
 /// The largest record the producer and the topic accept (64 MiB).
 const MAX_RECORD_BYTES: &str = "67108864";
+/// The producer's queue (KiB): a batch and one largest record fit.
+const PRODUCER_QUEUE_KBYTES: &str = "98304";
+/// What the consumer fetches ahead of the applier (KiB), and per fetch.
+const CONSUMER_QUEUE_KBYTES: &str = "32768";
+const FETCH_BYTES: &str = "16777216";
+/// The largest fetch response: one largest record and its framing.
+const RECEIVE_BYTES: &str = "68157440";
 /// [`MAX_RECORD_BYTES`] less room for the record's key and framing.
 const RECORD_LIMIT: usize = (64 << 20) - (64 << 10);
 /// Bytes one feed read holds at most (besides one record past it).
@@ -183,6 +190,9 @@ impl KafkaProducer {
             .set("acks", "all")
             // Envelopes run to the capture's chunk size (4 MiB) and more.
             .set("message.max.bytes", MAX_RECORD_BYTES)
+            // Bounded: one batch (BATCH_BYTES) or one largest record is
+            // in flight at a time, so this only caps a runaway.
+            .set("queue.buffering.max.kbytes", PRODUCER_QUEUE_KBYTES)
             .set("linger.ms", "1")
             .set("message.timeout.ms", "30000")
             .create()
@@ -391,6 +401,14 @@ impl Feed {
             // Fetches return at once when the partition is drained, so a
             // read's quiet period measures the broker, not a fetch wait.
             .set("fetch.wait.max.ms", "10")
+            // Bounded read-ahead: librdkafka's defaults prefetch up to
+            // 64 MiB of the partition, 50 MB per fetch. Half of that reads
+            // a large transaction as fast (bench/memory); a record larger
+            // than a fetch still comes, alone, up to the largest record.
+            .set("queued.max.messages.kbytes", CONSUMER_QUEUE_KBYTES)
+            .set("fetch.max.bytes", FETCH_BYTES)
+            .set("max.partition.fetch.bytes", FETCH_BYTES)
+            .set("receive.message.max.bytes", RECEIVE_BYTES)
             .create()
             .map_err(|e| target.error(e))?;
         let feed = Feed { target, consumer };
