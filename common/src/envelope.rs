@@ -14,7 +14,9 @@
 //! * Every violation is a distinct [`EnvelopeError`] variant, so callers can
 //!   quarantine with a precise reason rather than a string.
 
-use crate::fingerprint::fingerprint;
+pub mod fingerprint;
+
+use fingerprint::fingerprint;
 use prost::Message;
 use std::collections::HashMap;
 use xxhash_rust::xxh3::xxh3_64;

@@ -15,7 +15,7 @@ pub mod config;
 pub mod envelope;
 pub mod errors;
 #[cfg(feature = "envelope")]
-pub mod fingerprint;
+pub use envelope::fingerprint;
 pub mod lsn;
 #[cfg(feature = "envelope")]
 pub mod native_frame;

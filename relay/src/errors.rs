@@ -34,7 +34,7 @@ mod tests {
         use crate::{apply, capture, config, flow, native, snapshot, throwaway, transport, verify};
         use trellara_external_relay::{assembler::AssemblyError, pgwire::WireError};
         vec![
-            Box::new(flow::FlowError::Connect {
+            Box::new(crate::session::ConnectError::Session {
                 side: "source",
                 target: "db".into(),
                 source: db(),

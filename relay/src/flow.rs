@@ -8,15 +8,18 @@
 //!                       └──────────── --follow repeats ◀─────────────┘
 //! ```
 
+pub mod delivery;
+
 use crate::apply::{Applier, ApplyError, ApplyStats};
 use crate::capture::{self, CaptureConfig};
 use crate::config::{CapturePath, Flow};
-use crate::delivery::{Delivery, Signals, apply_stage, publish_stage};
 use crate::log::{Log, LogConfig, storage::FsStorage};
 use crate::service::{FlowState, Observer, Role};
+use crate::session::{ConnectError, redact};
 use crate::snapshot::{self, SnapshotReport};
 use crate::state::{self, SnapshotState};
 use crate::transport::kafka::Publisher;
+use delivery::{Delivery, Signals, apply_stage, publish_stage};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -31,13 +34,8 @@ pub enum FlowError {
     Config(#[from] crate::config::ConfigIssue),
     #[error("throwaway target")]
     Throwaway(#[from] crate::throwaway::ThrowawayError),
-    #[error("connect to the {side} database ({target})")]
-    Connect {
-        side: &'static str,
-        target: String,
-        #[source]
-        source: tokio_postgres::Error,
-    },
+    #[error(transparent)]
+    Connect(#[from] crate::session::ConnectError),
     #[error("target database")]
     Target(#[from] tokio_postgres::Error),
     #[error(transparent)]
@@ -54,20 +52,6 @@ pub enum FlowError {
     Unsupported(String),
     #[error("{0}")]
     Native(String),
-    #[error(
-        "connect to the {side} database ({target}): no session within connect_timeout ({seconds} s, covering TCP, TLS and authentication)\nhint: check the host and port; a slow server takes ?connect_timeout=SECONDS in the URL"
-    )]
-    ConnectTimeout {
-        side: &'static str,
-        target: String,
-        seconds: f64,
-    },
-    #[error("the {side} database URL ({target}): {message}")]
-    Url {
-        side: &'static str,
-        target: String,
-        message: String,
-    },
     #[error(transparent)]
     NativeRelay(#[from] crate::native::NativeError),
     #[error(
@@ -123,8 +107,9 @@ impl FlowError {
                     .is_some_and(|d| trellara_common::retry::transient(d.code().code()))
         }
         match self {
-            FlowError::ConnectTimeout { .. } | FlowError::LockLost { .. } => true,
-            FlowError::Connect { source, .. } | FlowError::Target(source) => unreachable(source),
+            FlowError::Connect(ConnectError::Timeout { .. }) | FlowError::LockLost { .. } => true,
+            FlowError::Connect(ConnectError::Session { source, .. })
+            | FlowError::Target(source) => unreachable(source),
             FlowError::Apply(ApplyError::Target(crate::apply::TargetError::Postgres(e))) => {
                 unreachable(e)
             }
@@ -220,26 +205,7 @@ pub async fn follow(
     // log while this process waits to follow again, even before its
     // target was ever reached. The apply role has no log: it reads the
     // topic.
-    let held = match flow.log_dir().filter(|_| role.captures()) {
-        Some(dir) => Some(crate::lock::lock(dir).map_err(|source| {
-            if source.kind() == std::io::ErrorKind::WouldBlock {
-                // Only a capturing process locks the log.
-                FlowError::Busy {
-                    flow: flow.name.clone(),
-                    holder: format!(
-                        "another trellara process on this host, playing its capture part (it holds the log {}),",
-                        dir.display()
-                    ),
-                }
-            } else {
-                FlowError::LogDir {
-                    path: dir.display().to_string(),
-                    source,
-                }
-            }
-        })?),
-        None => None,
-    };
+    let held = hold_log(flow, role)?;
     // The target lock too, on a session of its own: a round that fails
     // leaves it held for the next.
     let mut target_lock: Option<state::FlowLock> = None;
@@ -260,56 +226,16 @@ pub async fn follow(
         }
         let flow = &current;
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
-        let stopping = async {
-            let mut shutdown = shutdown.clone();
-            tokio::select! {
-                _ = shutdown.wait_for(|stop| *stop) => {}
-                () = async {
-                    match reloaded.as_mut() {
-                        Some(rx) => { let _ = rx.changed().await; }
-                        None => std::future::pending().await,
-                    }
-                } => {}
-            }
-            let _ = stop_tx.send(true);
-            std::future::pending::<()>().await;
-        };
-        let round = async {
-            if target_lock.is_none() {
-                target_lock = Some(take_flow_lock(flow, index, role).await?);
-            }
-            if role == Role::Apply {
-                let lock = target_lock.as_ref();
-                // As run_watched does for the other roles: without its
-                // lock the round ends at once, another applier may have it.
-                let applying = crate::delivery::apply_round(
-                    flow,
-                    (index, config_path),
-                    &stop,
-                    lock,
-                    observe.clone(),
-                    progress,
-                );
-                return tokio::select! {
-                    biased;
-                    () = lock_lost(lock) => Err(FlowError::LockLost {
-                        flow: flow.name.clone(),
-                    }),
-                    done = applying => done,
-                };
-            }
-            let options = RunOptions {
-                role,
-                follow: true,
-                until: None,
-                watch: &mut NoWatch,
-                shutdown: Some(stop.clone()),
-                locked: held.is_some(),
-                observe: observe.clone(),
-                target_lock: target_lock.as_ref(),
-            };
-            run_watched(flow, index, config_path, options, progress).await
-        };
+        let stopping = stop_round(shutdown.clone(), reloaded.as_mut(), stop_tx);
+        let round = follow_round(
+            flow,
+            (index, config_path),
+            role,
+            (&stop, held.is_some()),
+            &mut target_lock,
+            observe.clone(),
+            progress,
+        );
         let outcome = tokio::select! {
             outcome = round => outcome,
             () = stopping => unreachable!("stopping never resolves"),
@@ -378,6 +304,94 @@ pub async fn follow(
     }
 }
 
+/// The log's lock for a capturing role, held across [`follow`]'s rounds
+/// so nothing (a teardown, another run) takes the log while this process
+/// waits to follow again, even before its target was ever reached. The
+/// apply role has no log: it reads the topic.
+fn hold_log(flow: &Flow, role: Role) -> Result<Option<crate::lock::LogLock>, FlowError> {
+    let Some(dir) = flow.log_dir().filter(|_| role.captures()) else {
+        return Ok(None);
+    };
+    crate::lock::lock(dir).map(Some).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::WouldBlock {
+            // Only a capturing process locks the log.
+            FlowError::Busy {
+                flow: flow.name.clone(),
+                holder: format!(
+                    "another trellara process on this host, playing its capture part (it holds the log {}),",
+                    dir.display()
+                ),
+            }
+        } else {
+            FlowError::LogDir {
+                path: dir.display().to_string(),
+                source,
+            }
+        }
+    })
+}
+
+/// Ends a [`follow`] round (sets `stop`) on SIGTERM or when a reload
+/// changes the tables; never resolves itself.
+async fn stop_round(
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    reloaded: Option<&mut tokio::sync::watch::Receiver<Option<Vec<String>>>>,
+    stop: tokio::sync::watch::Sender<bool>,
+) {
+    tokio::select! {
+        _ = shutdown.wait_for(|stop| *stop) => {}
+        () = async {
+            match reloaded {
+                Some(rx) => { let _ = rx.changed().await; }
+                None => std::future::pending().await,
+            }
+        } => {}
+    }
+    let _ = stop.send(true);
+    std::future::pending::<()>().await;
+}
+
+/// One round of [`follow`] for `role`, until `stop`; takes the target
+/// lock first if the last round lost it. `(stop, log_held)`.
+async fn follow_round(
+    flow: &Flow,
+    (index, config_path): (usize, &str),
+    role: Role,
+    (stop, log_held): (&tokio::sync::watch::Receiver<bool>, bool),
+    target_lock: &mut Option<state::FlowLock>,
+    observe: Option<Observer>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<RunReport, FlowError> {
+    if target_lock.is_none() {
+        *target_lock = Some(take_flow_lock(flow, index, role).await?);
+    }
+    let lock = target_lock.as_ref();
+    if role == Role::Apply {
+        // As run_watched does for the other roles: without its lock the
+        // round ends at once, another applier may have it.
+        let applying =
+            delivery::apply_round(flow, (index, config_path), stop, lock, observe, progress);
+        return tokio::select! {
+            biased;
+            () = lock_lost(lock) => Err(FlowError::LockLost {
+                flow: flow.name.clone(),
+            }),
+            done = applying => done,
+        };
+    }
+    let options = RunOptions {
+        role,
+        follow: true,
+        until: None,
+        watch: &mut NoWatch,
+        shutdown: Some(stop.clone()),
+        locked: log_held,
+        observe,
+        target_lock: lock,
+    };
+    run_watched(flow, index, config_path, options, progress).await
+}
+
 /// Connects a session to the flow's target that holds its lock and does
 /// nothing else.
 async fn take_flow_lock(
@@ -442,78 +456,10 @@ pub async fn refuse_same_database(
     Ok(())
 }
 
-/// Who owns the flow's log: the flow, its source id, the source database.
-pub async fn log_owner(
-    flow: &Flow,
-    source: &Client,
-) -> Result<crate::identity::LogOwner, FlowError> {
-    Ok(crate::identity::LogOwner {
-        flow: flow.name.clone(),
-        source_id: flow.source_id(),
-        source: crate::identity::Database::read(source)
-            .await
-            .map_err(crate::identity::IdentityError::Source)?,
-    })
-}
-
 /// Opens a plain SQL connection; the connection task runs in the background.
 pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError> {
-    // The same connection string rules and TLS (sslmode, sslrootcert) as
-    // the replication sessions.
-    let (config, tls) = url
-        .parse::<trellara_external_relay::pgwire::ConnectOptions>()
-        .and_then(|options| trellara_external_relay::pgwire::sql_config(&options))
-        .map_err(|e| FlowError::Url {
-            side,
-            target: redact(url),
-            message: crate::errors::chain_of(&e),
-        })?;
-    // tokio-postgres bounds only the TCP connect by connect_timeout: the
-    // whole startup is, so a peer that accepts and never answers is an error.
-    let timeout = config
-        .get_connect_timeout()
-        .copied()
-        .unwrap_or(Duration::from_secs(10));
-    let (client, connection) = tokio::time::timeout(timeout, config.connect(tls))
-        .await
-        .map_err(|_| FlowError::ConnectTimeout {
-            side,
-            target: redact(url),
-            seconds: timeout.as_secs_f64(),
-        })?
-        .map_err(|source| FlowError::Connect {
-            side,
-            target: redact(url),
-            source,
-        })?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::warn!(side, error = %e, "database connection ended");
-        }
-    });
-    // Copy and apply exchange values as text: the same unambiguous forms
-    // the replication session uses. Catalog work is bounded unless the URL,
-    // role or server already bound it; data work lifts the bound itself.
-    client
-        .batch_execute(&format!(
-            "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET extra_float_digits = 3; \
-             SELECT set_config('statement_timeout', '{}s', false) \
-             WHERE current_setting('statement_timeout') = '0'",
-            CATALOG_TIMEOUT.as_secs()
-        ))
-        .await
-        .map_err(|source| FlowError::Connect {
-            side,
-            target: redact(url),
-            source,
-        })?;
-    Ok(client)
+    Ok(crate::session::connect(url, side).await?)
 }
-
-/// How long a catalog statement of a session [`connect`] opens may run:
-/// one blocked behind a lock or a stuck server is an error naming it, not
-/// a hang. Copy, apply and verify's comparisons set no bound.
-pub const CATALOG_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The fingerprints the flow's snapshot copied its tables at (the tables'
 /// `namespace.name`), for capture to pin.
@@ -523,12 +469,6 @@ async fn snapshot_pins(target: &Client, flow: &str) -> Result<HashMap<String, u6
         .into_iter()
         .filter_map(|t| Some((t.name, t.fingerprint?)))
         .collect())
-}
-
-/// A connection string without its password, for messages: the URL's
-/// and the key=value form's (`password=`).
-pub fn redact(url: &str) -> String {
-    trellara_check::redact(url)
 }
 
 /// Source and target URLs of a flow, resolved from their references.
@@ -610,7 +550,7 @@ impl Watch for NoWatch {
 pub struct RunOptions<'a, W: Watch> {
     /// [`Role::Both`], or [`Role::Relay`]: capture and publish to the
     /// flow's topic, applying nothing (the apply role is
-    /// [`crate::delivery::apply_round`]).
+    /// [`delivery::apply_round`]).
     pub role: Role,
     /// Keep following until SIGTERM or Ctrl-C (or `until`).
     pub follow: bool,
@@ -892,7 +832,7 @@ async fn run_round<W: Watch>(
     report.envelopes_captured = stats.envelopes;
     report.capture_duplicates_skipped = stats.duplicates_skipped;
     report.caught_up_to = (!follow).then_some(goal);
-    wrap_up(flow, &source, target, &report, progress).await?;
+    wrap_up(flow, role, (&source, target), &report, progress).await?;
     Ok(report)
 }
 
@@ -938,7 +878,7 @@ async fn open_sessions(
     }
     let source = connect(&source_url, "source").await?;
     gate(flow, &source_url, &source, &target, config_path, progress).await?;
-    let owner = log_owner(flow, &source).await?;
+    let owner = crate::identity::LogOwner::of(flow, &source).await?;
     state::ensure(&target).await?;
     // One writer per log, across processes, for the whole run.
     let _log_lock = if log_locked {
@@ -951,10 +891,12 @@ async fn open_sessions(
             })?,
         )
     };
-    let source_failed = |source| FlowError::Connect {
-        side: "source",
-        target: redact(&source_url),
-        source,
+    let source_failed = |source| {
+        FlowError::Connect(ConnectError::Session {
+            side: "source",
+            target: redact(&source_url),
+            source,
+        })
     };
     if let Some(refusal) = snapshot::native_refusal(flow, &source)
         .await
@@ -986,7 +928,7 @@ async fn open_stage(
 ) -> Result<Stage, FlowError> {
     Ok(if role == Role::Relay {
         Stage::Publish {
-            publisher: crate::delivery::open_publisher(flow, progress).await?,
+            publisher: delivery::open_publisher(flow, progress).await?,
             target,
         }
     } else {
@@ -1227,8 +1169,8 @@ fn open_log(
 /// sequences brought forward, what it did said.
 async fn wrap_up(
     flow: &Flow,
-    source: &Client,
-    target: &Client,
+    role: Role,
+    (source, target): (&Client, &Client),
     report: &RunReport,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(), FlowError> {
@@ -1241,6 +1183,14 @@ async fn wrap_up(
             e.as_db_error()
                 .map_or_else(|| e.to_string(), |d| d.message().to_owned())
         )),
+    }
+    if let (Role::Relay, crate::config::Transport::Kafka { topic, .. }) = (role, &flow.transport) {
+        // The relay role applies nothing: the apply service does.
+        progress(&format!(
+            "captured {} transactions; published to topic {topic} for the apply service",
+            report.envelopes_captured
+        ));
+        return Ok(());
     }
     progress(&format!(
         "captured {} transactions; applied {} ({} rows), {} duplicates skipped",

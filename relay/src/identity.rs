@@ -112,6 +112,18 @@ pub struct LogOwner {
 }
 
 impl LogOwner {
+    /// The owner of `flow`'s log: the flow, its source id, and the source
+    /// database `source` is connected to.
+    pub async fn of(flow: &crate::config::Flow, source: &Client) -> Result<Self, IdentityError> {
+        Ok(LogOwner {
+            flow: flow.name.clone(),
+            source_id: flow.source_id(),
+            source: Database::read(source)
+                .await
+                .map_err(IdentityError::Source)?,
+        })
+    }
+
     fn describe(&self) -> String {
         format!(
             "flow {} (source id {}, {})",

@@ -9,7 +9,7 @@
 //! runs both roles (`run --follow`) or two do. Names and meanings are listed
 //! in docs/CLI.md.
 
-use crate::service::Role;
+use crate::role::{APPLY, RELAY, Role};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -179,11 +179,6 @@ impl Metrics {
         String::from_utf8(out).expect("the text format is UTF-8")
     }
 }
-
-/// The `service` label of the capture side.
-pub const RELAY: &str = "relay";
-/// The `service` label of the apply side.
-pub const APPLY: &str = "apply";
 
 impl FlowMetrics {
     /// Records the lag of a transaction committed on the source at

@@ -457,7 +457,7 @@ pub async fn join(
         );
         // A session of its own: a copy that was stopped may have left the
         // round's inside its read-only transaction.
-        let undone = match crate::flow::connect(source_url, "source").await {
+        let undone = match crate::session::connect(source_url, "source").await {
             Ok(session) => session
                 .batch_execute(&undo)
                 .await
@@ -1033,7 +1033,7 @@ impl SnapshotIo for PgSnapshot<'_> {
         // views, foreign keys and grants.
         target
             // The copy is data work, as long as the tables are large:
-            // no catalog bound (crate::flow::CATALOG_TIMEOUT) in it.
+            // no catalog bound (crate::session::CATALOG_TIMEOUT) in it.
             .batch_execute(&format!(
                 "BEGIN; SET LOCAL statement_timeout = 0; TRUNCATE {}",
                 quoted.join(", ")
@@ -1095,7 +1095,7 @@ impl SnapshotIo for PgSnapshot<'_> {
         self.repl = None;
         let mut removed = Vec::new();
         // A session of its own: the copy's may still be inside its COPY.
-        let source = match crate::flow::connect(self.source_url, "source").await {
+        let source = match crate::session::connect(self.source_url, "source").await {
             Ok(source) => source,
             Err(e) => {
                 removed.push(format!(

@@ -257,7 +257,7 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
     {
         // Another flow's log (or one naming no owner) is not this flow's
         // to remove.
-        let owner = crate::flow::log_owner(flow, source)
+        let owner = crate::identity::LogOwner::of(flow, source)
             .await
             .map_err(|e| TeardownError::Owner(crate::errors::chain_of(&e)))?;
         match crate::identity::check_dir(dir, &owner) {

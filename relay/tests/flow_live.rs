@@ -2938,6 +2938,13 @@ fn split_services_on(major: Major, broker: &trellara_tests::Broker) {
         "{major}: relay {relay_status}:\n{}",
         relay_err.lock().unwrap()
     );
+    // The relay's closing line counts what it captured and published; it
+    // applied nothing, and says so.
+    let relay_text = relay_err.lock().unwrap().clone();
+    assert!(
+        relay_text.contains("published to topic") && !relay_text.contains("; applied 0 ("),
+        "{major}: {relay_text}"
+    );
     assert!(
         apply_status.success(),
         "{major}: apply {apply_status}:\n{}",
@@ -3170,6 +3177,26 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
         "debug lines after the reload"
     );
     assert_eq!(http_get(&moved, "/livez").0, 200);
+    // Where the flow streams from never changes live: a new slot is
+    // refused by name, and the flow goes on on its own.
+    let renamed = live.replacen(
+        "  source:\n",
+        "  source:\n    slot: trellara_elsewhere\n",
+        1,
+    );
+    assert_ne!(renamed, live, "the config has a source block");
+    std::fs::write(&config, &renamed).expect("config");
+    hangup();
+    wait_until("the slot change refused", &|| {
+        stderr
+            .lock()
+            .unwrap()
+            .contains("flows[shop].source.slot changed: refused, the flow keeps running as it was")
+    });
+    workload(&p.source, 300, 2);
+    wait_until("applied on the old slot", &|| {
+        p.target.psql_value(orders) == "22"
+    });
     let status = terminate(&mut child);
     assert!(
         status.success(),

@@ -644,13 +644,30 @@ async fn reload_on_hangup(
         }
         let changed = changed_fields(&running, &loaded, new_flow, &flow);
         for field in &changed {
-            errln!(
-                "{prefix}: {field} changed: refused live, the flow keeps running with its old value; it applies when the flow starts again"
-            );
+            errln!("{prefix}: {}", restart_field(field, &flow, &config_path));
         }
         if changed.is_empty() {
             errln!("{prefix}: config valid; nothing else changed");
         }
+    }
+}
+
+/// What a reload says of a changed field that does not apply live. The
+/// fields that say where the flow streams from and into (source, slot,
+/// publication, target, capture path, transport) are refused outright:
+/// changing them is a new flow, which a restart checks as a first run.
+fn restart_field(field: &str, flow: &str, config_path: &str) -> String {
+    let identity = ["source", "target", "capture", "transport"]
+        .iter()
+        .any(|f| field.starts_with(&format!("flows[{flow}].{f}")));
+    if identity {
+        format!(
+            "{field} changed: refused, the flow keeps running as it was; where a running flow streams from and into (source URL, slot, publication, target, capture path, transport) never changes live\nhint: check the new config with `trellara preflight --config {config_path}`, then stop the flow (SIGTERM) and start it again: its first round checks the change as a first run does"
+        )
+    } else {
+        format!(
+            "{field} changed: refused live, the flow keeps running with its old value; it applies when the flow starts again"
+        )
     }
 }
 
@@ -794,14 +811,27 @@ fn changed_fields(running: &Config, loaded: &Config, new_flow: &Flow, flow: &str
         _ => serde_json::Map::new(),
     };
     let mut changed = Vec::new();
-    let mut compare = |prefix: &str, old: serde_json::Value, new: serde_json::Value| {
-        let (old, new) = (as_map(old), as_map(new));
+    // Objects are compared field by field, so a message names the one
+    // that changed (flows[shop].source.slot, not flows[shop].source).
+    fn compare(
+        changed: &mut Vec<String>,
+        prefix: &str,
+        old: &serde_json::Map<String, serde_json::Value>,
+        new: &serde_json::Map<String, serde_json::Value>,
+    ) {
         let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
         for key in keys {
-            if old.get(key) != new.get(key) {
-                changed.push(format!("{prefix}{key}"));
+            match (old.get(key), new.get(key)) {
+                (Some(serde_json::Value::Object(a)), Some(serde_json::Value::Object(b))) => {
+                    compare(changed, &format!("{prefix}{key}."), a, b);
+                }
+                (a, b) if a != b => changed.push(format!("{prefix}{key}")),
+                _ => {}
             }
         }
+    }
+    let mut compare = |prefix: &str, old: serde_json::Value, new: serde_json::Value| {
+        compare(&mut changed, prefix, &as_map(old), &as_map(new));
     };
     let old_flow = running.flows.iter().find(|f| f.name == flow);
     compare(

@@ -177,7 +177,7 @@ fn serve_native_flow(
             &mut |line| errln!("[{}] {line}", flow.name),
         )
         .await?;
-        crate::flow::log_owner(flow, &source).await
+        Ok::<_, crate::flow::FlowError>(crate::identity::LogOwner::of(flow, &source).await?)
     })?;
     let config = NativeConfig {
         socket_path: log_dir.with_extension("sock"),

@@ -9,7 +9,7 @@
 //! fingerprint. Both capture paths compute it with this one function, so a
 //! native and an external capture of one table agree.
 
-use crate::envelope::{ColumnSchema, RelationSchema};
+use super::{ColumnSchema, RelationSchema};
 use xxhash_rust::xxh3::Xxh3;
 
 /// Version tag folded into every fingerprint, so a future change to the

@@ -12,9 +12,9 @@
 //!   transport error [`TransportError::Undelivered`] after 60 s).
 //! * The cursor is persisted when idle (once due) and at the end.
 
+use super::{FlowError, RunReport};
 use crate::apply::{Applier, ApplyError, ApplyStats};
 use crate::config::{Flow, Transport};
-use crate::flow::{FlowError, RunReport};
 use crate::log::{Log, storage::FsStorage};
 use crate::plan::Tuning;
 use crate::service::FlowState;
@@ -319,7 +319,7 @@ pub async fn apply_round(
         flow: flow.name.clone(),
         ..RunReport::default()
     };
-    let target = crate::flow::connect(&crate::flow::target_url(flow, index)?, "target").await?;
+    let target = super::connect(&super::target_url(flow, index)?, "target").await?;
     if lock.is_none()
         && let Some(holder) =
             crate::state::lock_flow(&target, &flow.name, crate::service::Role::Apply).await?
