@@ -30,5 +30,11 @@ preload_for() {
     pgc=$(scripts/pg-env --pg-config "$2")
     (cd extension && CARGO_TARGET_DIR=${TRELLARA_EXT_TARGET_DIR:-/var/cache/trellara/target-ext} \
         cargo pgrx install --release --pg-config "$pgc" --no-default-features --features "pg$2" >/dev/null)
-    echo "-c shared_preload_libraries=trellara"
+    # Builds that restrict output plugins (Debian's 15.20, 18.6) must
+    # list it too.
+    if "$BINDIR/postgres" --describe-config 2>/dev/null | grep -q '^output_plugin_libraries'; then
+        echo "-c shared_preload_libraries=trellara -c output_plugin_libraries=pgoutput,trellara"
+    else
+        echo "-c shared_preload_libraries=trellara"
+    fi
 }

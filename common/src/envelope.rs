@@ -391,9 +391,9 @@ impl RawEnvelope {
         })
     }
 
-    /// Makes room, once and exactly, for `changes` encoded changes of
-    /// `bytes` in all: a chunk holding one wide value is then built
-    /// without growing (and doubling) its buffer change by change.
+    /// Makes room, once, for `changes` encoded changes of at most `bytes`
+    /// in all: a chunk holding one wide value is then built without growing
+    /// (and doubling) its buffer change by change.
     pub fn reserve(&mut self, changes: u64, bytes: u64) {
         // Each change adds its key (1 byte) and length (at most 10).
         let more = bytes as usize + 11 * changes as usize + self.tail.len() + 9;

@@ -5,43 +5,68 @@
 //!
 //! A code is permanent only when its class says the statement, the data,
 //! the schema, the privileges or the setup is wrong, so a retry meets the
-//! same answer. Everything else, an unknown code included, is transient: a
+//! same answer. Everything else, an unknown code included, is retried: a
 //! retry costs a backoff, while stopping on an error that would have
-//! passed costs someone's night.
+//! passed costs someone's night. An unknown one ([`Class::Unknown`]) that
+//! keeps coming back is bounded by the caller that retries (a following
+//! flow stops after a few rounds in a row end with one), so a deterministic
+//! failure the classes do not name never loops for ever.
 
-/// Whether an error with SQLSTATE `code` may pass on a retry.
-pub fn transient(code: &str) -> bool {
+/// What a SQLSTATE says of a retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// Waiting may change it: a lost or refused session, a deadlock or
+    /// serialization failure, a lock not available, resources, a shutdown,
+    /// a server that is read-only for now (a switchover).
+    Transient,
+    /// Someone must change something first.
+    Permanent,
+    /// Neither is known (an internal error, an I/O error, a code outside
+    /// the standard classes): retried, but a caller that retries on its
+    /// own bounds how often the same one may come back.
+    Unknown,
+}
+
+/// The class of SQLSTATE `code`.
+pub fn class(code: &str) -> Class {
     match code {
         // object_not_in_prerequisite_state: an invalidated slot, a
         // wal_level too low; waiting changes neither.
-        "55000" => false,
-        // The session was ended for idling in a transaction: a new one
-        // goes on.
-        "25P03" => true,
-        _ => !matches!(
-            code.get(..2),
-            Some(
-                // Feature not supported, invalid grantor or role, diagnostics.
-                "0A" | "0B" | "0F" | "0L" | "0P" | "0Z"
-                    // Triggered action, case not found, cardinality.
-                    | "09" | "20" | "21"
-                    // Data exception, integrity constraint violation.
-                    | "22" | "23"
-                    // Cursor and transaction state, statement name,
-                    // authorization.
-                    | "24" | "25" | "26" | "27" | "28" | "2B" | "2D" | "2F"
-                    // Cursor name, external routine, savepoint, catalog and
-                    // schema names.
-                    | "34" | "38" | "39" | "3B" | "3D" | "3F"
-                    // Syntax error or access rule violation, check option,
-                    // program limit exceeded (a row too large).
-                    | "42" | "44" | "54"
-                    // Configuration file, foreign data wrapper, PL/pgSQL
-                    // (an exception a trigger raised).
-                    | "F0" | "HV" | "P0"
-            )
-        ),
+        "55000" => return Class::Permanent,
+        // The session was ended for idling in a transaction; a server
+        // read-only during a switchover.
+        "25P03" | "25006" => return Class::Transient,
+        _ => {}
     }
+    match code.get(..2) {
+        Some("08" | "40" | "53" | "55" | "57" | "72") => Class::Transient,
+        Some(
+            // Feature not supported, invalid grantor or role, diagnostics.
+            "0A" | "0B" | "0F" | "0L" | "0P" | "0Z"
+            // Triggered action, case not found, cardinality.
+            | "09" | "20" | "21"
+            // Data exception, integrity constraint violation.
+            | "22" | "23"
+            // Cursor and transaction state, statement name, authorization.
+            | "24" | "25" | "26" | "27" | "28" | "2B" | "2D" | "2F"
+            // Cursor name, external routine, savepoint, catalog and schema
+            // names.
+            | "34" | "38" | "39" | "3B" | "3D" | "3F"
+            // Syntax error or access rule violation, check option, program
+            // limit exceeded (a row too large).
+            | "42" | "44" | "54"
+            // Configuration file, foreign data wrapper, PL/pgSQL (an
+            // exception a trigger raised).
+            | "F0" | "HV" | "P0",
+        ) => Class::Permanent,
+        _ => Class::Unknown,
+    }
+}
+
+/// Whether an error with SQLSTATE `code` may pass on a retry: every code
+/// but a permanent one, an unknown one included.
+pub fn transient(code: &str) -> bool {
+    class(code) != Class::Permanent
 }
 
 #[cfg(test)]
@@ -62,8 +87,12 @@ mod tests {
             "58030", // io error
             "XX000", // internal error
             "25P03", // idle-in-transaction timeout
+            "25006", // read-only transaction (a switchover)
         ] {
             assert!(transient(code), "{code}");
+        }
+        for code in ["XX000", "58030", "U0001"] {
+            assert_eq!(super::class(code), super::Class::Unknown, "{code}");
         }
     }
 
@@ -82,7 +111,7 @@ mod tests {
             "0A000", // feature not supported
             "P0001", // raise_exception in a trigger
             "54000", // program limit exceeded
-            "25006", // read-only transaction (a standby)
+            "25001", // active SQL transaction
         ] {
             assert!(!transient(code), "{code}");
         }

@@ -385,7 +385,7 @@ impl Connection {
             )),
             _ => {
                 let message = Message::parse(&mut self.rbuf)?.map(Backend::Message);
-                if len > READ_BUFFER {
+                if len > RELEASE_AFTER {
                     self.release_large_buffer();
                 }
                 Ok(message)
@@ -393,7 +393,7 @@ impl Connection {
         }
     }
 
-    /// After a message larger than [`READ_BUFFER`] (a row with a wide
+    /// After a message larger than [`RELEASE_AFTER`] (a row with a wide
     /// value), moves what is left to a buffer of the usual size. The
     /// message shares the old allocation and frees it once it is dropped;
     /// the buffer's remainder would otherwise keep all of it alive for as
@@ -461,6 +461,10 @@ fn now_or_never<F: std::future::Future>(future: F) -> Option<F::Output> {
 const PACED_READ_BYTES: usize = 1 << 20;
 /// The read buffer's usual capacity.
 const READ_BUFFER: usize = 64 << 10;
+/// A message at least this large gives its buffer back (see
+/// `release_large_buffer`); a smaller one's buffer is at most about this
+/// large anyway, and copying the rest after every one would cost more.
+const RELEASE_AFTER: usize = 1 << 20;
 
 /// "17.9 (Debian ...)" or "18devel" -> 170009 / 180000.
 fn parse_server_version(v: &str) -> Option<u32> {

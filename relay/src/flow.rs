@@ -124,13 +124,44 @@ impl FlowError {
                     if let Some(pg) = e.downcast_ref::<tokio_postgres::Error>() {
                         return unreachable(pg);
                     }
+                    // Behind a transparent wrapper, only its DbError shows.
+                    if let Some(db) = e.downcast_ref::<tokio_postgres::error::DbError>() {
+                        return trellara_common::retry::transient(db.code().code());
+                    }
                     cause = e.source();
                 }
                 false
             }
         }
     }
+
+    /// Whether a server error no SQLSTATE class names
+    /// ([`trellara_common::retry::Class::Unknown`]) ended the round: it is
+    /// retried, a bounded number of times in a row.
+    pub fn unknown(&self) -> bool {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = cause {
+            // A transparent wrapper skips the tokio_postgres error itself
+            // and shows its DbError.
+            let db = e
+                .downcast_ref::<tokio_postgres::Error>()
+                .and_then(tokio_postgres::Error::as_db_error)
+                .or_else(|| e.downcast_ref::<tokio_postgres::error::DbError>());
+            if let Some(db) = db {
+                return trellara_common::retry::class(db.code().code())
+                    == trellara_common::retry::Class::Unknown;
+            }
+            cause = e.source();
+        }
+        false
+    }
 }
+
+/// How many rounds in a row may end with an unknown server error
+/// ([`trellara_common::retry::Class::Unknown`]) before a following flow
+/// stops: with the backoff (1, 2, 4 s), about ten seconds; a service
+/// manager that restarts a failed process retries at its own pace.
+const UNKNOWN_ROUNDS: u32 = 4;
 
 /// What one `run` did.
 #[derive(Debug, Default, Clone)]
@@ -219,6 +250,7 @@ pub async fn follow(
     // The tables before a live change, until a round with the new ones
     // has started well: a change that fails is undone.
     let mut before: Option<Vec<String>> = None;
+    let mut unknown_rounds = 0u32;
     loop {
         let started = std::time::Instant::now();
         if target_lock.as_ref().is_some_and(state::FlowLock::is_lost) {
@@ -264,7 +296,7 @@ pub async fn follow(
                 e @ (FlowError::Blocked { .. }
                 | FlowError::Preflight { .. }
                 | FlowError::Snapshot(_)),
-            ) if !e.retryable()
+            ) if (!e.retryable() || e.unknown())
                 && !*shutdown.borrow()
                 && let Some(tables) = before.take() =>
             {
@@ -279,12 +311,26 @@ pub async fn follow(
                 current.tables = tables;
             }
             Err(e) if e.retryable() && !*shutdown.borrow() => {
-                report(FlowState::Retrying, Some(&e));
                 if started.elapsed() >= TUNING.retry_reset {
                     delay = TUNING.retry_first;
                     // A round that ran this long followed its tables.
                     before = None;
+                    unknown_rounds = 0;
                 }
+                // A server error no class names may be deterministic (an
+                // extension's internal error on one row): retried, but not
+                // for ever.
+                if e.unknown() {
+                    unknown_rounds += 1;
+                    if unknown_rounds >= UNKNOWN_ROUNDS {
+                        report(FlowState::Stopped, Some(&e));
+                        progress(&format!(
+                            "{UNKNOWN_ROUNDS} rounds in a row ended with a server error no SQLSTATE class names as transient or permanent; stopping"
+                        ));
+                        return Err(e);
+                    }
+                }
+                report(FlowState::Retrying, Some(&e));
                 progress(&format!(
                     "{}; following again in {} s",
                     crate::errors::chain(&anyhow::Error::new(e)),

@@ -480,7 +480,6 @@ async fn verify_table(
 /// Rows per key-range chunk of the whole-table aggregate by default.
 pub const CHUNK_ROWS: u64 = 1_000_000;
 
-/// Runs every check for `flow` and records the verdict in the target.
 /// The commands a divergence's recovery names.
 struct Commands {
     run: String,
@@ -505,6 +504,7 @@ impl Commands {
     }
 }
 
+/// Runs every check for `flow` and records the verdict in the target.
 pub async fn verify(
     flow: &Flow,
     source: &Client,

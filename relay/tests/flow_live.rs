@@ -3215,6 +3215,58 @@ fn wait_until(what: &str, secs: u64, ok: &dyn Fn() -> bool) {
 }
 
 #[test]
+fn an_unknown_server_error_is_retried_a_few_rounds_then_stops_the_flow() {
+    on_every_major(an_unknown_server_error_is_retried_then_stops_on);
+}
+
+/// A target that refuses one row with a SQLSTATE no class names (XX000,
+/// as an extension's internal error would): the follower retries the
+/// round, since such an error may pass, but stops after a few rounds in a
+/// row instead of looping for ever, naming the error; nothing of that
+/// transaction is applied.
+fn an_unknown_server_error_is_retried_then_stops_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    p.target.psql(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN IF NEW.id = 900 THEN RAISE EXCEPTION 'refused by the test' USING ERRCODE = 'XX000'; END IF; RETURN NEW; END $$;
+         CREATE TRIGGER refuse BEFORE INSERT ON public.orders FOR EACH ROW EXECUTE FUNCTION public.refuse();",
+    );
+    workload(&p.source, 1, 3);
+    let (mut child, addr, stderr) = spawn_follower(d);
+    wait_until("ready", 60, &|| http_get(&addr, "/readyz").0 == 200);
+    workload(&p.source, 900, 1);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("poll") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{major}: still retrying after 90 s:\n{}",
+            stderr.lock().unwrap()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let text = stderr.lock().unwrap().clone();
+    assert!(!status.success(), "{major}: {text}");
+    assert!(
+        text.contains("following again in")
+            && text.contains("rounds in a row ended with a server error no SQLSTATE class names"),
+        "{major}: {text}"
+    );
+    assert!(text.contains("refused by the test"), "{major}: {text}");
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM public.orders WHERE id = 900"),
+        "0",
+        "{major}"
+    );
+}
+
+#[test]
 fn an_idle_flow_keeps_no_foreign_wal() {
     on_every_major(an_idle_flow_keeps_no_foreign_wal_on);
 }

@@ -3,13 +3,22 @@
 //! can be read, tested or replaced without the other; a child module
 //! (`flow/delivery.rs`) may use its parent.
 //!
-//! References are read from the source text (`crate::name`, and the names
-//! in `use crate::{...}`), outside comments and `#[cfg(test)] mod tests`.
+//! References are read from the source text (`crate::name`, a `super::`
+//! that reaches the crate root, and the names in `use crate::{...}`),
+//! outside comments and unit-test modules. Paths through `lib.rs`
+//! re-exports are not followed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-const CRATES: [&str; 5] = ["common", "pgwire", "external-relay", "relay", "check"];
+const CRATES: [&str; 6] = [
+    "common",
+    "pgwire",
+    "external-relay",
+    "relay",
+    "check",
+    "extension",
+];
 
 fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).expect("read the source directory") {
@@ -22,16 +31,76 @@ fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The code of a file without its comments and its unit-test module.
+/// The code of a file without its comments, up to its unit-test module
+/// (`#[cfg(test)]`, other attributes, then `mod`).
 fn code(text: &str) -> String {
-    let text = text
-        .split("#[cfg(test)]\nmod tests")
-        .next()
-        .unwrap_or_default();
-    text.lines()
+    let lines: Vec<&str> = text.lines().collect();
+    let mut end = lines.len();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim() == "#[cfg(test)]"
+            && lines[i + 1..]
+                .iter()
+                .find(|l| !l.trim_start().starts_with("#["))
+                .is_some_and(|l| l.trim_start().starts_with("mod "))
+        {
+            end = i;
+            break;
+        }
+    }
+    lines[..end]
+        .iter()
         .map(|l| l.split("//").next().unwrap_or_default())
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// The first name of each path in a `use` group's text (`a::b, c::{d, e}`
+/// names a and c), split only at its own commas.
+fn group_heads(group: &str) -> Vec<String> {
+    let (mut heads, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, c) in group.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                heads.push(&group[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    heads.push(&group[start..]);
+    heads
+        .iter()
+        .map(|h| h.trim().split("::").next().unwrap_or_default().to_owned())
+        .filter(|h| !h.is_empty())
+        .collect()
+}
+
+/// The top-level modules named by what follows `crate::` (or a `super::`
+/// that reaches the crate root) at the start of `rest`.
+fn named(rest: &str) -> Vec<String> {
+    let Some(group) = rest.strip_prefix('{') else {
+        return vec![
+            rest.chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect(),
+        ];
+    };
+    let mut depth = 1;
+    let mut end = group.len();
+    for (i, c) in group.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            _ => {}
+        }
+        if depth == 0 {
+            end = i;
+            break;
+        }
+    }
+    group_heads(&group[..end])
 }
 
 /// Each top-level module of the crate in `src` and the top-level modules
@@ -55,26 +124,24 @@ fn graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
             continue;
         }
         let text = code(&std::fs::read_to_string(file).expect("read a source file"));
-        let mut named = BTreeSet::new();
-        for (i, _) in text.match_indices("crate::") {
-            let rest = &text[i + "crate::".len()..];
-            if let Some(group) = rest.strip_prefix('{') {
-                let group = &group[..group.find('}').unwrap_or(group.len())];
-                named.extend(
-                    group
-                        .split(',')
-                        .map(|p| p.trim().split("::").next().unwrap_or_default().to_owned()),
-                );
-            } else {
-                let name: String = rest
-                    .chars()
-                    .take_while(|c| c.is_alphanumeric() || *c == '_')
-                    .collect();
-                named.insert(name);
+        // The `super::`s that reach the crate root from this file: one
+        // from src/a.rs and src/a/mod.rs, two from src/a/b.rs.
+        let rel = file.strip_prefix(src).expect("under src");
+        let depth =
+            rel.components().count() - usize::from(rel.file_name().is_some_and(|n| n == "mod.rs"));
+        let to_root = "super::".repeat(depth);
+        let mut names = BTreeSet::new();
+        for prefix in ["crate::", to_root.as_str()] {
+            for (i, _) in text.match_indices(prefix) {
+                // A longer run of super:: is read from its own start.
+                if prefix.starts_with("super") && text[..i].ends_with("super::") {
+                    continue;
+                }
+                names.extend(named(&text[i + prefix.len()..]));
             }
         }
-        named.remove(&module);
-        graph.entry(module).or_default().extend(named);
+        names.remove(&module);
+        graph.entry(module).or_default().extend(names);
     }
     let modules: BTreeSet<String> = graph.keys().cloned().collect();
     for deps in graph.values_mut() {
@@ -117,6 +184,15 @@ fn no_two_modules_of_a_crate_import_each_other() {
         }
     }
     assert!(found.is_empty(), "import circles:\n{}", found.join("\n"));
+}
+
+#[test]
+fn use_groups_and_super_paths_are_read() {
+    assert_eq!(named("{a::{b, c}, d}; x"), vec!["a", "d"]);
+    assert_eq!(named("log::Log;"), vec!["log"]);
+    assert_eq!(group_heads("a, b::c, d::{e, f}"), vec!["a", "b", "d"]);
+    let text = "use x;\n#[cfg(test)]\n#[allow(dead_code)]\nmod tests {\n use crate::y;\n}";
+    assert!(!code(text).contains("crate::y"), "{}", code(text));
 }
 
 #[test]

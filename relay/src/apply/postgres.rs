@@ -43,15 +43,19 @@ const COPY_ROWS: usize = 200;
 /// COPY data goes out in pieces of about this size, so the server parses
 /// one while the next is built.
 const COPY_PIECE: usize = 256 << 10;
-/// A row holding a value this long goes as COPY, which sends it in
-/// pieces: as a bound parameter it would be copied whole into the
-/// session's buffers (twice the value, and more), whatever its size.
+/// A run of inserts holding this much text goes as COPY, which sends it
+/// in pieces: as bound parameters it would be copied whole into the
+/// session's buffers (twice its size, and more), however large.
 const WIDE_VALUE: usize = COPY_PIECE;
 
-fn wide(row: &RowChange) -> bool {
+fn text_bytes(row: &RowChange) -> usize {
     row.after
         .iter()
-        .any(|v| matches!(&v.kind, Some(value::Kind::Text(t)) if t.len() > WIDE_VALUE))
+        .map(|v| match &v.kind {
+            Some(value::Kind::Text(t)) => t.len(),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// Whether the target's error may pass on a retry: a database error by
@@ -528,7 +532,7 @@ impl Target for PgTarget {
     ) -> Result<(), Refusal> {
         let copy = rows.len() >= COPY_ROWS
             || rows.len() * relation.columns.len() > MAX_PARAMS
-            || rows.iter().any(|r| wide(r));
+            || rows.iter().map(|r| text_bytes(r)).sum::<usize>() > WIDE_VALUE;
         // An open COPY continues only when nothing else has to be sent
         // first (the table's columns are known).
         if !(copy && self.copy.is_some() && self.tables.contains_key(&qualified(relation))) {

@@ -662,7 +662,7 @@ fn restart_field(field: &str, flow: &str, config_path: &str) -> String {
         .any(|f| field.starts_with(&format!("flows[{flow}].{f}")));
     if identity {
         format!(
-            "{field} changed: refused, the flow keeps running as it was; where a running flow streams from and into (source URL, slot, publication, target, capture path, transport) never changes live\nhint: check the new config with `trellara preflight --config {config_path}`, then stop the flow (SIGTERM) and start it again: its first round checks the change as a first run does"
+            "{field} changed: refused, the flow keeps running as it was; where a running flow streams from and into (source URL, slot, publication, target, capture path, transport) never changes live\nhint: to move the flow, end it (`trellara teardown --config {config_path}`, with the config it runs) and start the new one, checked first with `trellara preflight`; a restart with only this field changed meets the flow's own checks and stops with what to do"
         )
     } else {
         format!(
