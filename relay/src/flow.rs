@@ -118,20 +118,11 @@ impl FlowError {
             ) => unreachable(e),
             // A database error deeper down (a check that lost its session
             // mid-preflight, say) is as transient as one met directly.
-            _ => {
-                let mut cause = std::error::Error::source(self);
-                while let Some(e) = cause {
-                    if let Some(pg) = e.downcast_ref::<tokio_postgres::Error>() {
-                        return unreachable(pg);
-                    }
-                    // Behind a transparent wrapper, only its DbError shows.
-                    if let Some(db) = e.downcast_ref::<tokio_postgres::error::DbError>() {
-                        return trellara_common::retry::transient(db.code().code());
-                    }
-                    cause = e.source();
-                }
-                false
-            }
+            _ => match pg_cause(self) {
+                Some(PgCause::Session(pg)) => unreachable(pg),
+                Some(PgCause::Server(db)) => trellara_common::retry::transient(db.code().code()),
+                None => false,
+            },
         }
     }
 
@@ -139,22 +130,38 @@ impl FlowError {
     /// ([`trellara_common::retry::Class::Unknown`]) ended the round: it is
     /// retried, a bounded number of times in a row.
     pub fn unknown(&self) -> bool {
-        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(self);
-        while let Some(e) = cause {
-            // A transparent wrapper skips the tokio_postgres error itself
-            // and shows its DbError.
-            let db = e
-                .downcast_ref::<tokio_postgres::Error>()
-                .and_then(tokio_postgres::Error::as_db_error)
-                .or_else(|| e.downcast_ref::<tokio_postgres::error::DbError>());
-            if let Some(db) = db {
-                return trellara_common::retry::class(db.code().code())
-                    == trellara_common::retry::Class::Unknown;
-            }
-            cause = e.source();
-        }
-        false
+        let db = match pg_cause(self) {
+            Some(PgCause::Session(pg)) => pg.as_db_error(),
+            Some(PgCause::Server(db)) => Some(db),
+            None => None,
+        };
+        db.is_some_and(|db| {
+            trellara_common::retry::class(db.code().code())
+                == trellara_common::retry::Class::Unknown
+        })
     }
+}
+
+/// The first database error in an error's chain.
+enum PgCause<'a> {
+    Session(&'a tokio_postgres::Error),
+    /// Behind a transparent wrapper, which skips the tokio_postgres error
+    /// itself, only its DbError shows.
+    Server(&'a tokio_postgres::error::DbError),
+}
+
+fn pg_cause<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<PgCause<'a>> {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if let Some(pg) = e.downcast_ref::<tokio_postgres::Error>() {
+            return Some(PgCause::Session(pg));
+        }
+        if let Some(db) = e.downcast_ref::<tokio_postgres::error::DbError>() {
+            return Some(PgCause::Server(db));
+        }
+        cause = e.source();
+    }
+    None
 }
 
 /// How many rounds in a row may end with an unknown server error

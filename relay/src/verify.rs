@@ -726,34 +726,19 @@ async fn log_behind(
         let cursor = log
             .cursor(&crate::apply::cursor_name(&flow.name))
             .map_or(log.first_offset(), |c| c.next_offset);
-        if cursor < log.next_offset() {
-            divergences.push(Divergence {
-                code: "WATERMARK_BEHIND",
-                detail: format!(
-                    "{} captured transactions are not applied yet (log offsets {cursor}..{})",
-                    log.next_offset() - cursor,
-                    log.next_offset()
-                ),
-                recovery: run.to_owned(),
-            });
-        }
+        divergences.extend(unread(&log, cursor, "applied", run));
         return Ok(());
     };
     // Store and forward: the log up to the publisher's cursor is in the
     // topic; the topic up to the checkpoint is applied.
     let published = log.cursor(&crate::transport::kafka::publisher_cursor(&flow.name));
     let next = published.map_or(log.first_offset(), |c| c.next_offset);
-    if next < log.next_offset() {
-        divergences.push(Divergence {
-            code: "WATERMARK_BEHIND",
-            detail: format!(
-                "{} captured transactions are not published to topic {topic} yet (log offsets {next}..{})",
-                log.next_offset() - next,
-                log.next_offset()
-            ),
-            recovery: run.to_owned(),
-        });
-    }
+    divergences.extend(unread(
+        &log,
+        next,
+        &format!("published to topic {topic}"),
+        run,
+    ));
     let applied = crate::state::checkpoint::applied(target, &flow.name)
         .await
         .map_err(VerifyError::Target)?;
@@ -771,6 +756,19 @@ async fn log_behind(
         });
     }
     Ok(())
+}
+
+/// The log's records from `next` on, which are not `done` yet.
+fn unread(log: &Log<FsStorage>, next: u64, done: &str, run: &str) -> Option<Divergence> {
+    let end = log.next_offset();
+    (next < end).then(|| Divergence {
+        code: "WATERMARK_BEHIND",
+        detail: format!(
+            "{} captured transactions are not {done} yet (log offsets {next}..{end})",
+            end - next
+        ),
+        recovery: run.to_owned(),
+    })
 }
 
 /// Peeks the slot with its own plugin (pgoutput with the publication, or
