@@ -80,10 +80,11 @@ pub fn draft(report: &Report, tables: &[String]) -> Result<String, DraftError> {
                 slot: None,
                 publication: None,
             },
-            target: Target {
+            target: Some(Target {
                 url: reference(TARGET_URL_ENV),
                 throwaway: None,
-            },
+            }),
+            sinks: Vec::new(),
             tables: tables.iter().map(|t| t.trim().to_owned()).collect(),
             capture: CapturePath::External,
             transport: Transport::Local {

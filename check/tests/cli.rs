@@ -135,7 +135,7 @@ fn binary_on_a_live_server() {
         "{config}"
     );
     assert_eq!(
-        flow.target.url.url_env.as_deref(),
+        flow.target.as_ref().expect("target").url.url_env.as_deref(),
         Some("TRELLARA_TARGET_DATABASE_URL"),
         "{config}"
     );

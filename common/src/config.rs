@@ -94,7 +94,13 @@ pub struct Flow {
     /// Lower-case letters, digits, `_` and `-`; names slots, cursors, state.
     pub name: String,
     pub source: Source,
-    pub target: Target,
+    /// The flow's one sink (named after the flow), or none with `sinks:`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<Target>,
+    /// Several sinks on the flow's one slot and log, each with its own
+    /// cursor, checkpoint, verify and quarantine; instead of `target:`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sinks: Vec<Sink>,
     /// `schema.table`, each with a primary key or replica identity.
     pub tables: Vec<String>,
     #[serde(default)]
@@ -128,6 +134,36 @@ pub struct Target {
     /// (relative: to the config file's) instead of a URL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throwaway: Option<PathBuf>,
+}
+
+/// One of a flow's sinks: a Postgres target of its own.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sink {
+    /// The sink's `dataset_id` (its metrics series, cursor and status
+    /// line); names as a flow's.
+    pub name: String,
+    pub target: Target,
+}
+
+/// A flow's sink as the code uses it, from `target:` or from `sinks:`.
+#[derive(Debug, Clone, Copy)]
+pub struct SinkRef<'a> {
+    pub name: &'a str,
+    pub target: &'a Target,
+    /// Its place in `sinks:`; None for the flow's `target:`.
+    pub position: Option<usize>,
+}
+
+impl SinkRef<'_> {
+    /// The config path of its target, for errors: `flows[0].target` or
+    /// `flows[0].sinks[1].target`.
+    pub fn field(&self, flow_index: usize) -> String {
+        match self.position {
+            None => format!("flows[{flow_index}].target"),
+            Some(p) => format!("flows[{flow_index}].sinks[{p}].target"),
+        }
+    }
 }
 
 /// A connection string given inline (`url`), by environment variable
@@ -497,7 +533,7 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
     let base = path.parent().unwrap_or(Path::new("."));
     for flow in &mut config.flows {
         canonical_tables(flow);
-        if let Some(dir) = &mut flow.target.throwaway
+        if let Some(dir) = flow.target.as_mut().and_then(|t| t.throwaway.as_mut())
             && dir.is_relative()
         {
             *dir = std::path::absolute(base.join(&*dir)).unwrap_or_else(|_| base.join(&*dir));
@@ -534,7 +570,11 @@ impl Config {
     pub fn redacted(&self) -> Config {
         let mut copy = self.clone();
         for flow in &mut copy.flows {
-            for secret in [&mut flow.source.url, &mut flow.target.url] {
+            let targets = flow
+                .target
+                .iter_mut()
+                .chain(flow.sinks.iter_mut().map(|s| &mut s.target));
+            for secret in std::iter::once(&mut flow.source.url).chain(targets.map(|t| &mut t.url)) {
                 if let Some(url) = &mut secret.url {
                     *url = crate::redact::redact(url);
                 }
@@ -627,6 +667,7 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
     for (i, flow) in config.flows.iter().enumerate() {
         flow_identity(config.environment, i, flow, &mut shared, &mut issues);
         flow_secrets(config.environment, i, flow, &mut issues);
+        flow_sinks(i, flow, &mut issues);
         flow_names(i, flow, &mut issues);
         flow_tables(i, flow, &mut issues);
         flow_transport(i, flow, &mut shared, &mut issues);
@@ -716,7 +757,8 @@ fn flow_identity(
             );
         }
     }
-    if let Some(dir) = &flow.target.throwaway
+    let throwaway = flow.target.as_ref().and_then(|t| t.throwaway.as_ref());
+    if let Some(dir) = throwaway
         && dir.file_name().is_none_or(|n| n == ".")
     {
         issue(
@@ -728,7 +770,7 @@ fn flow_identity(
             "leave the throwaway path init wrote (./.trellara/<config>/<flow>/target)",
         );
     }
-    if flow.target.throwaway.is_some() && environment == Environment::Production {
+    if throwaway.is_some() && environment == Environment::Production {
         issue(
             at("target.throwaway"),
             "a throwaway target is refused in environment: production".into(),
@@ -742,8 +784,20 @@ fn flow_identity(
 fn flow_secrets(environment: Environment, i: usize, flow: &Flow, issues: &mut Issues) {
     let at = |field: &str| format!("flows[{i}].{field}");
     let mut issue = |field: String, problem: String, fix: &str| issues.add(field, problem, fix);
-    for (side, secret) in [("source", &flow.source.url), ("target", &flow.target.url)] {
-        let throwaway = side == "target" && flow.target.throwaway.is_some();
+    let mut sides = vec![("source".to_owned(), &flow.source.url, false)];
+    for sink in flow.sinks() {
+        let field = sink.field(i);
+        let side = field
+            .strip_prefix(&format!("flows[{i}]."))
+            .unwrap_or(&field);
+        sides.push((
+            side.to_owned(),
+            &sink.target.url,
+            sink.target.throwaway.is_some(),
+        ));
+    }
+    for (side, secret, throwaway) in sides {
+        let side = side.as_str();
         let set = [
             secret.url.is_some(),
             secret.url_env.is_some(),
@@ -756,12 +810,12 @@ fn flow_secrets(environment: Environment, i: usize, flow: &Flow, issues: &mut Is
         if set != 1 {
             issue(
                 at(side),
-                if side == "target" {
+                if side != "source" {
                     format!("has {set} of url, url_env, url_file, throwaway")
                 } else {
                     format!("has {set} of url, url_env, url_file")
                 },
-                if side == "target" {
+                if side != "source" {
                     "give exactly one of url, url_env, url_file or throwaway"
                 } else {
                     "give exactly one of url, url_env or url_file"
@@ -783,6 +837,73 @@ fn flow_secrets(environment: Environment, i: usize, flow: &Flow, issues: &mut Is
                 format!("{} is not an absolute path", path.display()),
                 "use an absolute path",
             );
+        }
+    }
+}
+
+/// `target:` or `sinks:`, each sink named once and pointed at a database
+/// of its own.
+fn flow_sinks(i: usize, flow: &Flow, issues: &mut Issues) {
+    let at = |field: &str| format!("flows[{i}].{field}");
+    let mut issue = |field: String, problem: String, fix: &str| issues.add(field, problem, fix);
+    match (&flow.target, flow.sinks.is_empty()) {
+        (None, true) => issue(
+            at("target"),
+            "is missing (and there is no sinks: list)".into(),
+            "give the flow a target: (url, url_env or url_file), or a sinks: list",
+        ),
+        (Some(_), false) => issue(
+            at("sinks"),
+            "is given besides target:".into(),
+            "list the flow's target as one of its sinks, or keep target: alone",
+        ),
+        _ => {}
+    }
+    if flow.sinks.len() > 1 && matches!(flow.transport, Transport::Kafka { .. }) {
+        issue(
+            at("transport.kind"),
+            format!(
+                "is kafka, and the flow has {} sinks: several sinks read the local log, not a topic (not built yet)",
+                flow.sinks.len()
+            ),
+            "use transport kind: local for a flow with several sinks, or one flow per topic",
+        );
+    }
+    let mut names = std::collections::HashSet::new();
+    let mut urls: Vec<(SourceRef, usize)> = Vec::new();
+    for (s, sink) in flow.sinks.iter().enumerate() {
+        let at = |field: &str| format!("flows[{i}].sinks[{s}].{field}");
+        if !valid_name(&sink.name) {
+            issue(
+                at("name"),
+                format!("{:?} is not a valid sink name", sink.name),
+                "use 1-40 lower-case letters, digits, '_' or '-'",
+            );
+        }
+        if !names.insert(sink.name.as_str()) {
+            issue(
+                at("name"),
+                format!("{:?} names another sink of this flow", sink.name),
+                "give each sink its own name: it is the sink's dataset_id",
+            );
+        }
+        if sink.target.throwaway.is_some() {
+            issue(
+                at("target.throwaway"),
+                "a throwaway target is init --evaluate's one target".into(),
+                "point each sink at a database with url, url_env or url_file",
+            );
+        }
+        let url = &sink.target.url;
+        let named = (url.url.clone(), url.url_env.clone(), url.url_file.clone());
+        if let Some((_, first)) = urls.iter().find(|(u, _)| *u == named) {
+            issue(
+                at("target"),
+                format!("is the target of sinks[{first}] too"),
+                "give each sink a database of its own: two sinks on one database would apply every transaction twice",
+            );
+        } else {
+            urls.push((named, s));
         }
     }
 }
@@ -924,6 +1045,40 @@ impl Flow {
             .source_id
             .clone()
             .unwrap_or_else(|| self.name.clone())
+    }
+
+    /// The flow's sinks, in order: its `target:` (named after the flow), or
+    /// its `sinks:`.
+    pub fn sinks(&self) -> Vec<SinkRef<'_>> {
+        match &self.target {
+            Some(target) => vec![SinkRef {
+                name: &self.name,
+                target,
+                position: None,
+            }],
+            None => self
+                .sinks
+                .iter()
+                .enumerate()
+                .map(|(p, s)| SinkRef {
+                    name: &s.name,
+                    target: &s.target,
+                    position: Some(p),
+                })
+                .collect(),
+        }
+    }
+
+    /// The throwaway cluster `init --evaluate` made for the flow's target.
+    pub fn throwaway(&self) -> Option<&Path> {
+        self.target.as_ref()?.throwaway.as_deref()
+    }
+
+    /// The first sink: the one a first run copies its snapshot into and
+    /// whose target holds the flow's boundary. A config that passed
+    /// [`validate`] has one.
+    pub fn first_sink(&self) -> Option<SinkRef<'_>> {
+        self.sinks().into_iter().next()
     }
 
     /// The log's size limit in bytes (local transport).
@@ -1240,5 +1395,118 @@ flows:
         };
         let err = missing.resolve("flows[0].target").expect_err("unset");
         assert_eq!(err.field, "flows[0].target.url_env");
+    }
+    const SINKS: &str = "
+schema_version: 2
+flows:
+  - name: shop
+    source:
+      url: postgresql://postgres@127.0.0.1:5432/shop
+    sinks:
+      - name: shop
+        target:
+          url_env: SHOP_TARGET
+      - name: analytics
+        target:
+          url: postgresql://u:hunter2@a.example/lake
+    tables: [public.orders]
+";
+
+    #[test]
+    fn sinks_name_each_target_and_a_target_is_one_sink() {
+        let c = parse(SINKS).expect("parses");
+        assert!(validate(&c).is_empty(), "{:?}", validate(&c));
+        let sinks = c.flows[0].sinks();
+        let named: Vec<(&str, String)> = sinks.iter().map(|s| (s.name, s.field(0))).collect();
+        assert_eq!(
+            named,
+            [
+                ("shop", "flows[0].sinks[0].target".to_owned()),
+                ("analytics", "flows[0].sinks[1].target".to_owned())
+            ]
+        );
+        let one = parse(GOOD).expect("parses");
+        let sinks = one.flows[0].sinks();
+        assert_eq!(
+            sinks
+                .iter()
+                .map(|s| (s.name, s.field(0)))
+                .collect::<Vec<_>>(),
+            [("shop", "flows[0].target".to_owned())]
+        );
+        // A sink's inline password is redacted as a target's is, and the
+        // copy reads back as the same shape.
+        let yaml = to_yaml(&c.redacted()).expect("yaml");
+        assert!(!yaml.contains("hunter2"), "{yaml}");
+        let back = parse(&yaml).expect("reads back");
+        assert!(back.flows[0].target.is_none());
+        assert_eq!(back.flows[0].sinks.len(), 2);
+    }
+
+    #[test]
+    fn sinks_are_refused_by_field_when_they_clash() {
+        let fields = |text: &str| -> Vec<(String, String)> {
+            validate(&parse(text).expect("parses"))
+                .into_iter()
+                .map(|i| (i.field, i.problem))
+                .collect()
+        };
+        let both = SINKS.replace(
+            "    sinks:\n",
+            "    target:\n      url_env: T\n    sinks:\n",
+        );
+        assert_eq!(fields(&both)[0].0, "flows[0].sinks");
+        let neither = GOOD.replace("    target:\n      url_env: TARGET_URL\n", "");
+        assert_eq!(
+            fields(&neither),
+            [(
+                "flows[0].target".to_owned(),
+                "is missing (and there is no sinks: list)".to_owned()
+            )]
+        );
+        let twice = SINKS.replace("name: analytics", "name: shop");
+        assert_eq!(
+            fields(&twice),
+            [(
+                "flows[0].sinks[1].name".to_owned(),
+                "\"shop\" names another sink of this flow".to_owned()
+            )]
+        );
+        let same = SINKS.replace(
+            "url: postgresql://u:hunter2@a.example/lake",
+            "url_env: SHOP_TARGET",
+        );
+        assert_eq!(
+            fields(&same),
+            [(
+                "flows[0].sinks[1].target".to_owned(),
+                "is the target of sinks[0] too".to_owned()
+            )]
+        );
+        let bad_name = SINKS.replace("name: analytics", "name: Lake");
+        assert_eq!(fields(&bad_name)[0].0, "flows[0].sinks[1].name");
+        let two_urls = SINKS.replace(
+            "          url_env: SHOP_TARGET",
+            "          url_env: SHOP_TARGET\n          url_file: /etc/t",
+        );
+        assert_eq!(
+            fields(&two_urls),
+            [(
+                "flows[0].sinks[0].target".to_owned(),
+                "has 2 of url, url_env, url_file, throwaway".to_owned()
+            )]
+        );
+        let kafka = format!(
+            "{SINKS}    transport:\n      kind: kafka\n      brokers: \"127.0.0.1:9092\"\n      topic: shop\n"
+        );
+        assert_eq!(fields(&kafka)[0].0, "flows[0].transport.kind");
+        let production = SINKS.replace("flows:", "environment: production\nflows:");
+        assert_eq!(
+            fields(&production)[1..],
+            [(
+                "flows[0].sinks[1].target.url".to_owned(),
+                "inline connection strings are refused in environment: production".to_owned()
+            )]
+        );
     }
 }

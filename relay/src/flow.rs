@@ -9,6 +9,7 @@
 //! ```
 
 pub mod delivery;
+pub mod sinks;
 
 use crate::apply::{Applier, ApplyError, ApplyStats};
 use crate::capture::{self, CaptureConfig};
@@ -76,6 +77,18 @@ pub enum FlowError {
         "flow {flow} is already running against this target: {holder} holds its lock; nothing was changed\nhint: one process runs a flow, on any host: stop the other one (SIGTERM) first"
     )]
     Busy { flow: String, holder: String },
+    #[error(
+        "flow {flow}: sinks {sinks} stopped before they applied everything captured (their errors are above); the flow's other sinks did\nhint: fix what each error names, then run again: a sink resumes from its own checkpoint"
+    )]
+    SinksStopped { flow: String, sinks: String },
+    #[error(
+        "flow {flow}, sink {sink}: its target's flow lock is held by {holder} so this sink does not apply\nhint: another process runs this flow into that database, or two of the flow's sinks name one database: give each sink a database of its own"
+    )]
+    SinkBusy {
+        flow: String,
+        sink: String,
+        holder: String,
+    },
     #[error(
         "flow {flow}: the target session holding the flow's lock ended, so another process could take the flow; this round stopped"
     )]
@@ -171,7 +184,7 @@ fn pg_cause<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<PgCause<'a>>
 const UNKNOWN_ROUNDS: u32 = 4;
 
 /// What one `run` did.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default)]
 pub struct RunReport {
     pub flow: String,
     pub snapshot: Option<SnapshotReport>,
@@ -179,6 +192,8 @@ pub struct RunReport {
     pub capture_duplicates_skipped: u64,
     pub apply: ApplyStats,
     pub caught_up_to: Option<Lsn>,
+    /// How the flow's sinks after the first ended ([`sinks`]).
+    pub sinks: Vec<sinks::SinkOutcome>,
 }
 
 impl RunReport {
@@ -189,6 +204,16 @@ impl RunReport {
         self.capture_duplicates_skipped += later.capture_duplicates_skipped;
         crate::apply::accumulate(&mut self.apply, later.apply);
         self.caught_up_to = later.caught_up_to.or(self.caught_up_to);
+        for sink in later.sinks {
+            match self.sinks.iter_mut().find(|s| s.sink == sink.sink) {
+                Some(mine) => {
+                    crate::apply::accumulate(&mut mine.applied, sink.applied);
+                    mine.seeded.extend(sink.seeded);
+                    mine.error = sink.error;
+                }
+                None => self.sinks.push(sink),
+            }
+        }
     }
 }
 
@@ -472,12 +497,40 @@ pub async fn gate(
     config_path: &str,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(), FlowError> {
-    let assessment = crate::preflight::assess(flow, source_url, source, target, Duration::ZERO)
+    gate_sink(
+        flow,
+        (source_url, source),
+        target,
+        config_path,
+        false,
+        progress,
+    )
+    .await
+}
+
+/// [`gate`] for one of a flow's sinks; `joins_slot`: a sink after the
+/// first, whose target has no record of the flow's slot because the
+/// first sink's target claimed it. This process holds the flow's log,
+/// which the slot streams into, so it is the flow's.
+pub async fn gate_sink(
+    flow: &Flow,
+    (source_url, source): (&str, &Client),
+    target: &Client,
+    config_path: &str,
+    joins_slot: bool,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), FlowError> {
+    let mut assessment = crate::preflight::assess(flow, source_url, source, target, Duration::ZERO)
         .await
         .map_err(|source| FlowError::Preflight {
             flow: flow.name.clone(),
             source,
         })?;
+    if joins_slot {
+        assessment
+            .flow
+            .retain(|f| !(f.side == "source" && f.check == "slot"));
+    }
     for warning in assessment.warnings() {
         progress(&format!("preflight: warning {warning}"));
     }
@@ -530,12 +583,25 @@ pub fn urls(flow: &Flow, index: usize) -> Result<(String, String), FlowError> {
     Ok((source, target_url(flow, index)?))
 }
 
-/// The target URL alone: the apply role needs no source credentials.
+/// The first sink's target URL alone: the apply role needs no source
+/// credentials.
 pub fn target_url(flow: &Flow, index: usize) -> Result<String, FlowError> {
-    Ok(match &flow.target.throwaway {
+    let sink = flow
+        .first_sink()
+        .ok_or_else(|| FlowError::Unsupported(flow.name.clone()))?;
+    sink_url(flow, index, sink)
+}
+
+/// One sink's target URL, resolved from its reference.
+pub fn sink_url(
+    flow: &Flow,
+    index: usize,
+    sink: crate::config::SinkRef<'_>,
+) -> Result<String, FlowError> {
+    Ok(match &sink.target.throwaway {
         // Started when a command first needs it, left running until teardown.
         Some(dir) => crate::throwaway::start(dir, &flow.name)?,
-        None => flow.target.url.resolve(&format!("flows[{index}].target"))?,
+        None => sink.target.url.resolve(&sink.field(index))?,
     })
 }
 
@@ -850,6 +916,7 @@ async fn run_round<W: Watch>(
         result
     };
     let mut stage = open_stage(flow, role, target, config_path, observe.as_ref(), progress).await?;
+    let droppable = sinks::droppable(flow);
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let apply = async {
         let signals = Signals {
@@ -857,6 +924,7 @@ async fn run_round<W: Watch>(
             begun: &begun,
             observe: observe.as_ref(),
             tuning: &TUNING,
+            droppable: &droppable,
         };
         let result = stage.run(&log, &flow.name, signals).await;
         if result.is_err() {
@@ -875,8 +943,33 @@ async fn run_round<W: Watch>(
     // Following is capture's to say, once its session streams (external)
     // or the worker connects (native): a worker that never comes is not
     // ready.
-    let (captured, applied, watched, ()) =
-        tokio::join!(capture, apply, watch.watch(&log, applied_rx), gauges);
+    let shared = sinks::Shared {
+        flow,
+        index,
+        config_path,
+        role,
+        source_url: &source_url,
+        source: &source,
+        log: &log,
+        begun: &begun,
+        tuning: &TUNING,
+        follow,
+        droppable: &droppable,
+    };
+    let others = futures_util::future::join_all(flow.sinks().into_iter().skip(1).map(|sink| {
+        let observe = observe
+            .as_ref()
+            .map(|o| o.sink(&flow.name, &flow.source_id(), sink.name));
+        sinks::run(&shared, sink, observe, done_rx.clone())
+    }));
+    let (captured, applied, watched, (), others) = tokio::join!(
+        capture,
+        apply,
+        watch.watch(&log, applied_rx),
+        gauges,
+        others
+    );
+    report.sinks = others;
     let target = stage.target();
     let stats = captured_or_failed(flow, target, captured).await?;
     report.apply = applied?;
@@ -886,6 +979,20 @@ async fn run_round<W: Watch>(
     report.capture_duplicates_skipped = stats.duplicates_skipped;
     report.caught_up_to = (!follow).then_some(goal);
     wrap_up(flow, role, (&source, target), &report, progress).await?;
+    // A run that ends at the source's position has not got there for a
+    // sink that stopped; a following one says so above and in /healthz.
+    let stopped: Vec<&str> = report
+        .sinks
+        .iter()
+        .filter(|s| s.error.is_some())
+        .map(|s| s.sink.as_str())
+        .collect();
+    if !follow && !stopped.is_empty() {
+        return Err(FlowError::SinksStopped {
+            flow: flow.name.clone(),
+            sinks: stopped.join(", "),
+        });
+    }
     Ok(report)
 }
 
@@ -1200,11 +1307,17 @@ fn open_log(
     owner: &crate::identity::LogOwner,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Log<FsStorage>, FlowError> {
+    let cap = flow.retention_bytes();
     let log_config = LogConfig {
         retention: crate::log::RetentionPolicy {
-            max_total_bytes: flow.retention_bytes(),
+            max_total_bytes: cap,
             ..crate::log::RetentionPolicy::keep_all()
         },
+        // Retention deletes whole sealed segments: a cap of a few of them
+        // can be kept to, where one 64 MiB segment could not.
+        max_segment_bytes: cap.map_or(LogConfig::default().max_segment_bytes, |cap| {
+            (cap / 8).clamp(1 << 20, LogConfig::default().max_segment_bytes)
+        }),
         ..LogConfig::default()
     };
     let (log, report_open) = Log::open(FsStorage::new(), log_dir, log_config)?;
@@ -1252,6 +1365,23 @@ async fn wrap_up(
         report.apply.rows,
         report.apply.duplicates_skipped
     ));
+    for sink in &report.sinks {
+        progress(&match &sink.error {
+            None => format!(
+                "sink {}: applied {} ({} rows), {} duplicates skipped",
+                sink.sink,
+                sink.applied.transactions,
+                sink.applied.rows,
+                sink.applied.duplicates_skipped
+            ),
+            Some(e) => format!(
+                "sink {}: stopped after {} transactions: {}",
+                sink.sink,
+                sink.applied.transactions,
+                crate::errors::chain_of(e)
+            ),
+        });
+    }
     Ok(())
 }
 
@@ -1323,40 +1453,66 @@ async fn ensure_boundary(
             Err(e) => Err(e.into()),
         }
     } else {
-        let copied: Vec<String> = crate::state::runs::tables(target, &flow.name)
-            .await?
-            .into_iter()
-            .map(|t| t.name)
-            .collect();
-        let left: Vec<&String> = copied.iter().filter(|t| !flow.tables.contains(t)).collect();
-        for table in left {
-            let note = snapshot::leave(flow, source, target, table).await?;
-            progress(&format!("{table} left the flow: {note}"));
+        let joining = Boundary {
+            flow,
+            source_url,
+            log_dir,
+            stop,
+            follow,
+        };
+        joins_and_leaves(joining, source, target, health, progress).await
+    }
+}
+
+/// On a target with a boundary: copies the tables that joined the flow
+/// since at a boundary of their own, and lets go of those that left it.
+async fn joins_and_leaves(
+    boundary: Boundary<'_>,
+    source: &Client,
+    target: &Client,
+    health: &dyn Fn(FlowState),
+    progress: &mut dyn FnMut(&str),
+) -> Result<Start, FlowError> {
+    let Boundary {
+        flow,
+        source_url,
+        stop,
+        follow,
+        ..
+    } = boundary;
+    let copied: Vec<String> = crate::state::runs::tables(target, &flow.name)
+        .await?
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    let left: Vec<&String> = copied.iter().filter(|t| !flow.tables.contains(t)).collect();
+    for table in left {
+        let note = snapshot::leave(flow, source, target, table).await?;
+        progress(&format!("{table} left the flow: {note}"));
+    }
+    let joined: Vec<String> = flow
+        .tables
+        .iter()
+        .filter(|t| !copied.contains(t))
+        .cloned()
+        .collect();
+    if joined.is_empty() {
+        return Ok(Start::Resumed);
+    }
+    health(FlowState::Snapshotting);
+    match snapshot::join(flow, source_url, source, target, &joined, progress, stop).await {
+        Ok(at) => {
+            progress(&format!(
+                "{} joined the flow at {at}; their changes before it are in their copy",
+                joined.join(", ")
+            ));
+            Ok(Start::Resumed)
         }
-        let joined: Vec<String> = flow
-            .tables
-            .iter()
-            .filter(|t| !copied.contains(t))
-            .cloned()
-            .collect();
-        if joined.is_empty() {
-            return Ok(Start::Resumed);
+        Err(e @ snapshot::SnapshotError::Stopped) if follow => {
+            progress(&e.to_string());
+            Ok(Start::Stopped)
         }
-        health(FlowState::Snapshotting);
-        match snapshot::join(flow, source_url, source, target, &joined, progress, stop).await {
-            Ok(at) => {
-                progress(&format!(
-                    "{} joined the flow at {at}; their changes before it are in their copy",
-                    joined.join(", ")
-                ));
-                Ok(Start::Resumed)
-            }
-            Err(e @ snapshot::SnapshotError::Stopped) if follow => {
-                progress(&e.to_string());
-                Ok(Start::Stopped)
-            }
-            Err(e) => Err(e.into()),
-        }
+        Err(e) => Err(e.into()),
     }
 }
 

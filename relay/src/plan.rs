@@ -115,22 +115,28 @@ pub struct TransportPlan {
     pub topic: Option<String>,
 }
 
+/// One sink of a flow, resolved.
+#[derive(Debug, Clone, Serialize)]
+pub struct SinkPlan {
+    /// The sink's name in metrics and evidence.
+    pub dataset_id: String,
+    pub target: Endpoint,
+    /// Its applier's log cursor (or Kafka consumer group).
+    pub cursor: String,
+}
+
 /// One flow, resolved.
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
     pub flow: String,
     pub source: Endpoint,
-    pub target: Endpoint,
+    pub sinks: Vec<SinkPlan>,
     pub slot: String,
     pub publication: String,
     pub source_id: String,
-    /// The sink's name in metrics and evidence.
-    pub dataset_id: String,
     pub tables: Vec<String>,
     pub capture: CapturePath,
     pub transport: TransportPlan,
-    /// The applier's log cursor (or Kafka consumer group).
-    pub cursor: String,
     /// Where `run --follow` serves its endpoints.
     pub listen: std::net::SocketAddr,
     pub tuning: Tuning,
@@ -140,10 +146,18 @@ impl Plan {
     /// `flows[index]` of `config`, resolved without side effects.
     pub fn resolve(config: &Config, index: usize) -> Plan {
         let flow: &Flow = &config.flows[index];
-        let target = match &flow.target.throwaway {
-            Some(dir) => Endpoint::Throwaway { dir: dir.clone() },
-            None => endpoint(&flow.target.url, &format!("flows[{index}].target")),
-        };
+        let sinks = flow
+            .sinks()
+            .into_iter()
+            .map(|sink| SinkPlan {
+                dataset_id: sink.name.to_owned(),
+                target: match &sink.target.throwaway {
+                    Some(dir) => Endpoint::Throwaway { dir: dir.clone() },
+                    None => endpoint(&sink.target.url, &sink.field(index)),
+                },
+                cursor: crate::apply::sink_cursor(&flow.name, sink.name),
+            })
+            .collect();
         let (kind, log_dir, retention_mib, brokers, topic) = match &flow.transport {
             Transport::Local {
                 log_dir,
@@ -165,11 +179,10 @@ impl Plan {
         Plan {
             flow: flow.name.clone(),
             source: endpoint(&flow.source.url, &format!("flows[{index}].source")),
-            target,
+            sinks,
             slot: flow.slot(),
             publication: flow.publication(),
             source_id: flow.source_id(),
-            dataset_id: flow.name.clone(),
             tables: flow.tables.clone(),
             capture: flow.capture,
             transport: TransportPlan {
@@ -179,7 +192,6 @@ impl Plan {
                 brokers,
                 topic,
             },
-            cursor: crate::apply::cursor_name(&flow.name),
             listen: config.service.relay_listen,
             tuning: Tuning::DEFAULT,
         }

@@ -101,10 +101,17 @@ impl Health {
         })
     }
 
-    /// Adds a flow, starting.
+    /// Adds a flow's sink (a flow of one sink: the flow), starting.
     pub fn flow(self: &Arc<Self>, flow: &str, source_id: &str, dataset_id: &str) -> FlowReporter {
+        // One entry per sink: a flow's sink named after it keeps the
+        // flow's own key.
+        let key = if dataset_id == flow {
+            flow.to_owned()
+        } else {
+            format!("{flow}/{dataset_id}")
+        };
         self.lock().insert(
-            flow.to_owned(),
+            key.clone(),
             FlowHealth {
                 flow: flow.to_owned(),
                 source_id: source_id.to_owned(),
@@ -117,7 +124,7 @@ impl Health {
         );
         FlowReporter {
             health: Arc::clone(self),
-            flow: flow.to_owned(),
+            flow: key,
         }
     }
 
@@ -163,16 +170,22 @@ impl Health {
         let max = self.max_lag_secs.load(std::sync::atomic::Ordering::Relaxed) as f64;
         flows
             .iter()
-            .filter_map(|f| match (f.state, f.lag_seconds) {
-                (FlowState::Following, Some(lag)) if lag > max => Some(format!(
-                    "flow {}: lag {lag:.1} s is over service.ready_max_lag_seconds ({max} s)",
-                    f.flow
-                )),
-                (FlowState::Following, _) => None,
-                (state, _) => Some(match &f.last_error {
-                    Some(e) => format!("flow {}: {}: {e}", f.flow, state_name(state)),
-                    None => format!("flow {}: {}", f.flow, state_name(state)),
-                }),
+            .filter_map(|f| {
+                let who = if f.dataset_id == f.flow {
+                    format!("flow {}", f.flow)
+                } else {
+                    format!("flow {}, sink {}", f.flow, f.dataset_id)
+                };
+                match (f.state, f.lag_seconds) {
+                    (FlowState::Following, Some(lag)) if lag > max => Some(format!(
+                        "{who}: lag {lag:.1} s is over service.ready_max_lag_seconds ({max} s)"
+                    )),
+                    (FlowState::Following, _) => None,
+                    (state, _) => Some(match &f.last_error {
+                        Some(e) => format!("{who}: {}: {e}", state_name(state)),
+                        None => format!("{who}: {}", state_name(state)),
+                    }),
+                }
             })
             .collect()
     }
@@ -238,6 +251,21 @@ pub struct Observer {
     pub metrics: crate::metrics::FlowMetrics,
     pub health: FlowReporter,
     pub live: Arc<LiveSettings>,
+    /// The process's registry, where a flow's other sinks add their series.
+    pub registry: crate::metrics::Metrics,
+}
+
+impl Observer {
+    /// What one of the flow's other sinks reports into: its own apply
+    /// series (`dataset_id` = the sink) and its own health entry.
+    pub fn sink(&self, flow: &str, source_id: &str, sink: &str) -> Observer {
+        Observer {
+            metrics: self.registry.flow(Role::Apply, source_id, sink),
+            health: self.health.health.flow(flow, source_id, sink),
+            live: Arc::clone(&self.live),
+            registry: self.registry.clone(),
+        }
+    }
 }
 
 /// The flow's settings a reload applies while it runs; the run reads each

@@ -369,6 +369,26 @@ pub async fn run(
     run_machine(&mut io, &flow.tables, progress, &NoCrash).await
 }
 
+/// Copies every table of the flow into one sink's target at a boundary of
+/// its own, through the same machine as a first run (planned to
+/// stream_handoff_ready, the handoff checkpoint at the boundary), but
+/// from a temporary slot's snapshot: the flow's slot and log stay as they
+/// are, and the sink's cursor, registered before this is called, finds
+/// every transaction after the boundary in the log. A failure rolls the
+/// copy back; the next attempt plans again.
+pub async fn seed_sink(
+    flow: &Flow,
+    source_url: &str,
+    source: &Client,
+    target: &Client,
+    progress: &mut dyn FnMut(&str),
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
+) -> Result<SnapshotReport, SnapshotError> {
+    let mut io = PgSnapshot::new(flow, source_url, (source, target), stop);
+    io.own_boundary = true;
+    run_machine(&mut io, &flow.tables, progress, &NoCrash).await
+}
+
 /// Whether `quoted` is a member of `publication` by name.
 async fn listed(source: &Client, publication: &str, quoted: &str) -> Result<bool, SnapshotError> {
     Ok(source
@@ -710,6 +730,9 @@ pub struct PgSnapshot<'a> {
     /// Set for tables joining a following flow: the boundary of their own
     /// their copy is recorded at.
     boundary: Option<Lsn>,
+    /// One sink of several copied at a boundary of its own: a temporary
+    /// slot exports the snapshot, and the flow's slot is left alone.
+    own_boundary: bool,
 }
 
 impl<'a> PgSnapshot<'a> {
@@ -729,6 +752,7 @@ impl<'a> PgSnapshot<'a> {
             created_publication: false,
             created_slot: false,
             boundary: None,
+            own_boundary: false,
         }
     }
 }
@@ -761,7 +785,10 @@ impl PgSnapshot<'_> {
             .await
             .map_err(SnapshotError::Source)?
             .get(0);
+        // A sink seeded at its own boundary joins a slot the flow's first
+        // sink claimed; this process holds the flow's log, so it is ours.
         if here
+            && !self.own_boundary
             && !crate::state::owns_slot(self.target, &self.flow.name, &slot)
                 .await
                 .map_err(SnapshotError::Target)?
@@ -775,6 +802,34 @@ impl PgSnapshot<'_> {
         crate::state::claim_slot(self.target, &self.flow.name, &slot)
             .await
             .map_err(SnapshotError::Target)
+    }
+
+    /// A temporary slot (gone with its session, whatever happens) whose
+    /// exported snapshot and consistent point are one sink's own boundary.
+    async fn temporary_slot(
+        &mut self,
+        mut repl: Connection,
+    ) -> Result<(Slot, bool), SnapshotError> {
+        let pid = repl.backend_pid();
+        let name = format!("trellara_seed_{pid}");
+        let created = {
+            let create = repl.create_temporary_slot(&name);
+            slot_created(create, &name, self.source, pid, self.stop.clone()).await?
+        };
+        let snapshot = created.snapshot_name.ok_or_else(|| SnapshotError::Table {
+            table: "-".into(),
+            problem: "the server exported no snapshot".into(),
+            hint: "the slot must be created outside a transaction on a primary".into(),
+        })?;
+        self.repl = Some(repl);
+        Ok((
+            Slot {
+                name,
+                consistent: created.consistent_point,
+                snapshot,
+            },
+            false,
+        ))
     }
 
     async fn reconcile_publication(
@@ -925,10 +980,13 @@ impl SnapshotIo for PgSnapshot<'_> {
     }
 
     async fn create_slot(&mut self) -> Result<(Slot, bool), SnapshotError> {
-        let name = self.flow.slot();
         let mut options: ConnectOptions = self.source_url.parse()?;
         options.replication = true;
         let mut repl = Connection::connect(&options).await?;
+        if self.own_boundary {
+            return self.temporary_slot(repl).await;
+        }
+        let name = self.flow.slot();
         // Left by an interrupted run: its snapshot is gone with its session.
         // Slot names are the server's, not the database's: one on another
         // database is another flow's, and is not ours to drop.

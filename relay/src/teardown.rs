@@ -270,7 +270,7 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
             }
         }
     }
-    match &flow.target.throwaway {
+    match flow.throwaway() {
         Some(dir) if crate::throwaway::is_ours(dir, &flow.name) => {
             steps.push(Step::ThrowawayTarget {
                 path: dir.display().to_string(),

@@ -378,7 +378,7 @@ fn config_show_and_redact_never_print_a_secret() {
         "{plan}"
     );
     assert!(
-        plan[0]["target"]["url"]
+        plan[0]["sinks"][0]["target"]["url"]
             .as_str()
             .unwrap()
             .contains("t.example"),

@@ -3335,3 +3335,156 @@ fn terminate(child: &mut std::process::Child) -> std::process::ExitStatus {
     .expect("sigterm");
     child.wait().expect("reap")
 }
+
+#[test]
+fn two_sinks_share_one_slot_and_a_stalled_one_holds_back_neither() {
+    on_every_major(two_sinks_share_one_slot_on);
+}
+
+/// One flow, one slot, two targets (`sinks:`): the second is copied at a
+/// boundary of its own; while it is stalled (a reader holds its table
+/// locked) the first keeps converging, and once free it catches up from
+/// its own cursor. Stalled again while the log passes its cap, its cursor
+/// is dropped instead of the log growing, and when free it is copied again
+/// at a new boundary of its own: the flow's slot is never replaced.
+fn two_sinks_share_one_slot_on(major: Major) {
+    let Some(source) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    let Some(first) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    let Some(lake) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    for c in [&source, &first, &lake] {
+        c.psql(SCHEMA);
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::write(
+        d.join("trellara.yml"),
+        format!(
+            "schema_version: 2
+flows:
+  - name: shop
+    source:
+      url: {}
+    sinks:
+      - name: shop
+        target:
+          url: {}
+      - name: lake
+        target:
+          url: {}
+    tables: [public.orders, public.line_items]
+    transport:
+      kind: local
+      log_dir: ./log
+      retention_mib: 4
+service:
+  relay_listen: 127.0.0.1:0
+",
+            source.connection_string("postgres"),
+            first.connection_string("postgres"),
+            lake.connection_string("postgres"),
+        ),
+    )
+    .expect("config");
+    workload(&source, 1, 3);
+    let (mut child, addr, stderr) = spawn_follower(d);
+    let wait_until = |what: &str, secs: u64, ok: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        while !ok() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{major}: never {what}:\n{}",
+                stderr.lock().unwrap()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    wait_until("ready", 90, &|| http_get(&addr, "/readyz").0 == 200);
+    let orders = "SELECT count(*) FROM public.orders";
+    let content = "SELECT md5(string_agg(o::text, ',' ORDER BY id)) FROM public.orders o";
+    for target in [&first, &lake] {
+        assert_eq!(target.psql_value(orders), "3", "{major}: both copied");
+    }
+    let slot = "SELECT string_agg(slot_name || ' ' || slot_type, ',') FROM pg_replication_slots";
+    let the_slot = source.psql_value(slot);
+    assert_eq!(the_slot, "trellara_shop logical", "{major}: one slot");
+
+    // Stalled: a reader holds the lake's table against writes (SHARE
+    // lets reads pass); the first sink goes on.
+    let mut reader = lake.connect();
+    let stall = |reader: &mut postgres::Client| {
+        reader
+            .batch_execute("BEGIN; LOCK TABLE public.orders IN SHARE MODE")
+            .expect("lock");
+    };
+    stall(&mut reader);
+    workload(&source, 100, 20);
+    wait_until("the first sink converged", 60, &|| {
+        first.psql_value(orders) == "23"
+    });
+    assert_eq!(lake.psql_value(orders), "3", "{major}: the lake waits");
+    reader.batch_execute("COMMIT").expect("unlock");
+    wait_until("the lake caught up", 60, &|| {
+        lake.psql_value(orders) == "23"
+    });
+    assert_eq!(lake.psql_value(content), source.psql_value(content));
+    let (_, metrics) = http_get(&addr, "/metrics");
+    assert!(
+        metrics
+            .contains("trellara_applied_transactions_total{dataset_id=\"lake\",service=\"apply\""),
+        "{major}: the lake has its own series:\n{metrics}"
+    );
+
+    // Past the cap (4 MiB) while stalled: the lake's cursor goes, the
+    // log stays small, the first sink is untouched.
+    stall(&mut reader);
+    for batch in 0..6 {
+        let from = 1000 + batch * 1000;
+        source.psql(&format!(
+            "INSERT INTO public.orders SELECT g, repeat('x', 2000), 1 FROM generate_series({from}, {}) g",
+            from + 999
+        ));
+    }
+    wait_until("the first sink converged past the cap", 120, &|| {
+        first.psql_value(orders) == "6023"
+    });
+    wait_until("the lake's cursor dropped", 60, &|| {
+        stderr.lock().unwrap().contains("its cursor is dropped")
+    });
+    let log_bytes: u64 = std::fs::read_dir(d.join("log"))
+        .expect("log dir")
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".seg"))
+        .map(|e| e.metadata().map_or(0, |m| m.len()))
+        .sum();
+    assert!(
+        log_bytes < 8 << 20,
+        "{major}: the log kept {log_bytes} bytes for a stalled sink"
+    );
+    reader.batch_execute("COMMIT").expect("unlock");
+    wait_until("the lake copied again at its own boundary", 120, &|| {
+        lake.psql_value(orders) == "6023"
+    });
+    workload(&source, 300, 2);
+    wait_until("both follow after it", 60, &|| {
+        first.psql_value(orders) == "6025" && lake.psql_value(orders) == "6025"
+    });
+    assert_eq!(lake.psql_value(content), source.psql_value(content));
+    assert_eq!(first.psql_value(content), source.psql_value(content));
+    assert_eq!(
+        source.psql_value(slot),
+        the_slot,
+        "{major}: the one slot, never replaced, no seed slot left"
+    );
+    let status = terminate(&mut child);
+    assert!(
+        status.success(),
+        "{major}: SIGTERM drains: {status}\n{}",
+        stderr.lock().unwrap()
+    );
+}

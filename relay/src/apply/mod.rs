@@ -291,6 +291,11 @@ pub struct Applier<T: Target = PgTarget> {
     /// unknown, read it lock first).
     known_checkpoint: Option<Option<Lsn>>,
     cursor: LazyCursor,
+    /// The log cursor it reads with ([`cursor_name`] unless set).
+    consumer: String,
+    /// The cursor must already exist: a sink's cursor that is missing was
+    /// dropped past the log's cap, and starting afresh would skip a gap.
+    consumer_known: bool,
     /// Whether the open (or last) target transaction commits durably.
     began_durable: bool,
     /// The next target transaction, opened while its source transaction
@@ -536,6 +541,18 @@ pub fn cursor_name(flow: &str) -> String {
     format!("applier-{flow}")
 }
 
+/// The log cursor of a flow's sink: the flow's own applier cursor for the
+/// sink named after it (a `target:` flow, or the sink that kept the
+/// flow's name when it moved to `sinks:`), `sink-<name>` for the others.
+/// The log is the flow's, so the sink's name alone tells them apart.
+pub fn sink_cursor(flow: &str, sink: &str) -> String {
+    if sink == flow {
+        cursor_name(flow)
+    } else {
+        format!("sink-{sink}")
+    }
+}
+
 fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), Refusal> {
     if hooks.crash_at(point) {
         return Err(Refusal::Crashed(point));
@@ -584,6 +601,8 @@ impl<T: Target> Applier<T> {
             patience: None,
             known_checkpoint: None,
             cursor: LazyCursor::default(),
+            consumer: cursor_name(flow),
+            consumer_known: false,
             began_durable: true,
             opened: None,
             open_after_commit: false,
@@ -672,6 +691,14 @@ impl<T: Target> Applier<T> {
     /// target commit (the default), letting the commits in between be
     /// asynchronous; [`persist_cursor`](Self::persist_cursor) persists what
     /// is left.
+    /// Reads with the log cursor `consumer`, which must exist (one of a
+    /// flow's several sinks: [`sink_cursor`]).
+    pub fn with_consumer(mut self, consumer: String) -> Self {
+        self.consumer = consumer;
+        self.consumer_known = true;
+        self
+    }
+
     pub fn with_cursor_every(mut self, every: Duration) -> Self {
         self.cursor.every = every;
         self
@@ -708,7 +735,7 @@ impl<T: Target> Applier<T> {
             }
         }
         self.cursor.unpersisted = None;
-        log.applied(&cursor_name(&self.flow), offset, commit_lsn)?;
+        log.applied(&self.consumer, offset, commit_lsn)?;
         self.cursor.persisted_at = Some(std::time::Instant::now());
         Ok(())
     }
@@ -729,7 +756,7 @@ impl<T: Target> Applier<T> {
     ) -> Result<(), ApplyError> {
         if self.began_durable {
             self.cursor.unpersisted = None;
-            log.applied(&cursor_name(&self.flow), offset, commit_lsn)?;
+            log.applied(&self.consumer, offset, commit_lsn)?;
             self.cursor.persisted_at = Some(std::time::Instant::now());
         } else {
             self.cursor.unpersisted = Some((offset, commit_lsn));
@@ -758,11 +785,12 @@ impl<T: Target> Applier<T> {
         log: &R,
         hooks: &dyn CrashHooks,
     ) -> Result<ApplyStats, ApplyError> {
-        let name = cursor_name(&self.flow);
+        let name = self.consumer.clone();
         // Ahead of the persisted cursor, the applier goes on from where it
         // is; otherwise the cursor says (it may have been moved).
         let start = match self.cursor.unpersisted {
             Some((offset, _)) => offset + 1,
+            None if self.consumer_known => log.resume(&name)?,
             None => log.start(&name)?,
         };
         let mut stats = ApplyStats::default();
@@ -853,7 +881,7 @@ impl<T: Target> Applier<T> {
         if mutation::CURSOR_BEFORE_COMMIT.with(std::cell::Cell::get)
             && let Some(last) = batch.last()
         {
-            log.applied(&cursor_name(&self.flow), last.last_offset, last.commit_lsn)?;
+            log.applied(&self.consumer, last.last_offset, last.commit_lsn)?;
         }
         match self
             .apply_transactions(log, batch, &mut tentative, hooks)
@@ -1191,7 +1219,7 @@ impl<T: Target> Applier<T> {
                     #[cfg(test)]
                     if mutation::CURSOR_BEFORE_COMMIT.with(std::cell::Cell::get) {
                         let last = reader.next_offset().saturating_sub(1);
-                        log.applied(&cursor_name(&self.flow), last, commit)
+                        log.applied(&self.consumer, last, commit)
                             .map_err(|e| Refusal::Data(e.to_string()))?;
                     }
                     crash(hooks, CrashPoint::AppliedNotCommitted)?;

@@ -59,9 +59,15 @@ fn show(path: &std::path::Path, only: Option<&str>, format: Format) -> anyhow::R
     for plan in &plans {
         outln!("flow {}", plan.flow);
         outln!("  source       {}", plan.source);
-        outln!("  target       {}", plan.target);
         outln!("  source_id    {}", plan.source_id);
-        outln!("  dataset_id   {}", plan.dataset_id);
+        for sink in &plan.sinks {
+            outln!(
+                "  sink         {} -> {} (cursor {})",
+                sink.dataset_id,
+                sink.target,
+                sink.cursor
+            );
+        }
         outln!("  slot         {}", plan.slot);
         outln!("  publication  {}", plan.publication);
         outln!("  tables       {}", plan.tables.join(", "));
@@ -80,7 +86,6 @@ fn show(path: &std::path::Path, only: Option<&str>, format: Format) -> anyhow::R
         );
         outln!("  log_dir      {}", t.log_dir.display());
         outln!("  retention    {} MiB", t.retention_bytes >> 20);
-        outln!("  cursor       {}", plan.cursor);
         outln!(
             "  endpoints    http://{}/metrics (run --follow)",
             plan.listen

@@ -164,7 +164,7 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
         && let Some(dir) = old
             .flows
             .iter()
-            .find_map(|f| f.target.throwaway.as_ref().filter(|d| d.exists()))
+            .find_map(|f| f.throwaway().filter(|d| d.exists()))
     {
         anyhow::bail!(
             "{} names the throwaway target {}, which --force would leave behind\nhint: remove it first with `trellara teardown --config {} --yes`",
@@ -215,13 +215,14 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
                 slot: None,
                 publication: None,
             },
-            target: Target {
+            target: Some(Target {
                 url: match &args.target_database_url {
                     Some(url) => reference(url, "TRELLARA_TARGET_DATABASE_URL"),
                     None => SecretRef::default(),
                 },
                 throwaway: throwaway.clone(),
-            },
+            }),
+            sinks: Vec::new(),
             tables: args.tables.clone(),
             capture: match args.capture {
                 CaptureArg::External => CapturePath::External,
@@ -460,10 +461,13 @@ async fn serve_endpoints(
         role.service(),
         std::time::Duration::from_secs(config.service.ready_max_lag_seconds),
     );
+    // The capture series and the first sink's carry the first sink's name.
+    let dataset = flow.first_sink().map_or(flow.name.as_str(), |s| s.name);
     let observe = Observer {
-        metrics: metrics.flow(role, &flow.source_id(), &flow.name),
-        health: health.flow(&flow.name, &flow.source_id(), &flow.name),
+        metrics: metrics.flow(role, &flow.source_id(), dataset),
+        health: health.flow(&flow.name, &flow.source_id(), dataset),
         live: LiveSettings::new(flow.retention_bytes()),
+        registry: metrics.clone(),
     };
     if let Some(level) = &config.service.log_level
         && let Err(why) = super::set_log_level(Some(level))
@@ -960,6 +964,14 @@ fn run_json(r: &flow::RunReport) -> serde_json::Value {
         "rows_applied": r.apply.rows,
         "duplicates_skipped": r.apply.duplicates_skipped + r.capture_duplicates_skipped,
         "caught_up_to": r.caught_up_to.map(|l| l.to_string()),
+        "sinks": r.sinks.iter().map(|s| json!({
+            "sink": s.sink,
+            "transactions_applied": s.applied.transactions,
+            "rows_applied": s.applied.rows,
+            "duplicates_skipped": s.applied.duplicates_skipped,
+            "copied_at": s.seeded.iter().map(|c| c.consistent_lsn.to_string()).collect::<Vec<_>>(),
+            "error": s.error.as_ref().map(|e| crate::errors::chain_of(e)),
+        })).collect::<Vec<_>>(),
     })
 }
 
@@ -1066,7 +1078,7 @@ pub fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let path = args.config.display().to_string();
     for (index, f) in flows(&config, args.flow.as_deref())? {
         // Read before urls() starts it: whether it was up is news.
-        let throwaway = match &f.target.throwaway {
+        let throwaway = match f.throwaway() {
             Some(dir) => Some(json!({
                 "dir": dir.display().to_string(),
                 "was_running": crate::throwaway::running(dir, &f.name)?,

@@ -179,6 +179,9 @@ pub struct Signals<'a> {
     pub begun: &'a tokio::sync::Notify,
     pub observe: Option<&'a Observer>,
     pub tuning: &'a Tuning,
+    /// Cursors retention may drop past the log's cap: those of a flow's
+    /// sinks after the first ([`super::sinks`]); empty for one sink.
+    pub droppable: &'a [String],
 }
 
 /// Applies the log through `delivery` while capture writes it, and what
@@ -195,6 +198,7 @@ pub async fn apply_stage(
         begun,
         observe,
         tuning,
+        droppable,
     } = signals;
     let mut total = ApplyStats::default();
     let mut last_retention = std::time::Instant::now();
@@ -223,7 +227,7 @@ pub async fn apply_stage(
         }
         if finished || last_retention.elapsed() >= tuning.retention_every {
             last_retention = std::time::Instant::now();
-            enforce_retention(log, observe);
+            enforce_retention(log, observe, droppable);
         }
         if finished {
             delivery.persist(applier, log, false).await?;
@@ -263,6 +267,7 @@ pub async fn publish_stage(
         mut captured,
         observe,
         tuning,
+        droppable,
         ..
     } = signals;
     let mut last_retention = std::time::Instant::now();
@@ -276,7 +281,7 @@ pub async fn publish_stage(
         }
         if finished || last_retention.elapsed() >= tuning.retention_every {
             last_retention = std::time::Instant::now();
-            enforce_retention(log, observe);
+            enforce_retention(log, observe, droppable);
         }
         if finished {
             return Ok(());
@@ -430,9 +435,10 @@ async fn boundary_ready(target: &tokio_postgres::Client, flow: &str) -> Result<b
 }
 
 /// Deletes segments every consumer has passed, within the flow's size
-/// limit; what a lagging consumer holds is reported, never deleted.
+/// limit; what a lagging consumer holds is reported, never deleted, unless
+/// it is one of `droppable` (see [`over_cap`]).
 /// A reloaded limit (see [`crate::service::LiveSettings`]) applies here.
-fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>) {
+fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>, droppable: &[String]) {
     let result = crate::capture::release_source_ack(log).and_then(|()| match observe {
         Some(o) => log.enforce_retention_with(&crate::log::RetentionPolicy {
             max_total_bytes: o.live.retention(),
@@ -441,6 +447,10 @@ fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>) {
         None => log.enforce_retention(),
     });
     match result {
+        Ok(report) if !over_cap(log, &report.pressure, droppable).is_empty() => {
+            // What the dropped cursors held goes at once.
+            enforce_retention(log, observe, &[]);
+        }
         Ok(report) => {
             for p in &report.pressure {
                 tracing::warn!(consumer = %p.consumer, held_bytes = p.held_bytes, held_segments = p.held_segments, "retention pressure: a consumer holds log segments past the size limit");
@@ -454,4 +464,30 @@ fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>) {
         }
         Err(e) => tracing::warn!(error = %e, "log retention failed; the log keeps its segments"),
     }
+}
+
+/// Past the log's cap, drops the cursors in `droppable` that hold what
+/// retention would delete, so the log stays within its cap instead of
+/// growing for a sink that stalled: such a sink is copied again at a
+/// boundary of its own when it is back ([`super::sinks`]). The flow's
+/// slot follows the log's durability either way. Returns the cursors
+/// dropped.
+pub fn over_cap(
+    log: &Log<FsStorage>,
+    pressure: &[crate::log::ConsumerPressure],
+    droppable: &[String],
+) -> Vec<String> {
+    let mut dropped = Vec::new();
+    for held in pressure.iter().filter(|p| droppable.contains(&p.consumer)) {
+        match log.unregister_consumer(&held.consumer) {
+            Ok(()) => {
+                tracing::warn!(cursor = %held.consumer, held_bytes = held.held_bytes, "a sink held the log past its cap (transport.retention_mib): its cursor is dropped, and the sink is copied again at a boundary of its own when it is back");
+                dropped.push(held.consumer.clone());
+            }
+            Err(e) => {
+                tracing::warn!(cursor = %held.consumer, error = %e, "could not drop a sink's cursor past the log's cap");
+            }
+        }
+    }
+    dropped
 }

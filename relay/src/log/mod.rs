@@ -643,6 +643,20 @@ impl<S: Storage> Log<S> {
         Ok(position)
     }
 
+    /// Registers `consumer` at the end of what is durable now (an existing
+    /// cursor stays where it is): a sink about to take a boundary of its
+    /// own, whose transactions all come after this point.
+    pub fn register_consumer_at_end(&self, consumer: &str) -> Result<CursorPosition, Error> {
+        cursor::validate_name(consumer)?;
+        let mut cursors = relock(&self.shared.cursors);
+        if let Some(position) = cursors.get(consumer) {
+            return Ok(position);
+        }
+        let position = CursorPosition::start_at(self.shared.durable_next());
+        cursors.persist(consumer, position)?;
+        Ok(position)
+    }
+
     /// Durably moves `consumer`'s cursor; the position must lie within the
     /// durable records (`first_offset()..=next_offset()`).
     pub fn commit_cursor(&self, consumer: &str, position: CursorPosition) -> Result<(), Error> {

@@ -968,8 +968,10 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
     let violations = Rc::new(RefCell::new(Vec::new()));
     // One counter across sessions, as one process's metric lives across
     // its reconnects.
+    let registry = crate::metrics::Metrics::new();
     let observer = crate::service::Observer {
-        metrics: crate::metrics::Metrics::new().flow(crate::service::Role::Both, "sim", "sim"),
+        metrics: registry.flow(crate::service::Role::Both, "sim", "sim"),
+        registry,
         health: crate::service::Health::new("relay", Duration::from_secs(60))
             .flow("sim", "sim", "sim"),
         live: crate::service::LiveSettings::new(None),

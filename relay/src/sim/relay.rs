@@ -117,8 +117,10 @@ pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, Stri
     let quarantine = std::env::temp_dir().join(format!("trellara-sim-{seed}"));
     // One counter across rounds, as one process's metric lives across the
     // worker's reconnects.
+    let registry = crate::metrics::Metrics::new();
     let observer = crate::service::Observer {
-        metrics: crate::metrics::Metrics::new().flow(crate::service::Role::Both, "sim", "sim"),
+        metrics: registry.flow(crate::service::Role::Both, "sim", "sim"),
+        registry,
         health: crate::service::Health::new("relay", std::time::Duration::from_secs(60))
             .flow("sim", "sim", "sim"),
         live: crate::service::LiveSettings::new(None),

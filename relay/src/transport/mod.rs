@@ -77,6 +77,11 @@ pub trait Records {
         Self: 'a;
     /// The offset of the next record to apply for `consumer`.
     fn start(&self, consumer: &str) -> Result<u64, TransportError>;
+    /// The offset of the next record for `consumer`, whose cursor must
+    /// exist already.
+    fn resume(&self, consumer: &str) -> Result<u64, TransportError> {
+        self.start(consumer)
+    }
     fn read_from(&self, offset: u64) -> Result<Self::Reader<'_>, TransportError>;
     /// Everything up to and including `offset` (of commit `commit_lsn`) is
     /// applied.
@@ -109,6 +114,15 @@ impl<S: Storage> Records for Log<S> {
 
     fn start(&self, consumer: &str) -> Result<u64, TransportError> {
         Ok(self.register_consumer(consumer)?.next_offset)
+    }
+
+    fn resume(&self, consumer: &str) -> Result<u64, TransportError> {
+        Ok(self
+            .cursor(consumer)
+            .ok_or_else(|| crate::log::Error::UnknownConsumer {
+                consumer: consumer.to_owned(),
+            })?
+            .next_offset)
     }
 
     /// Records as soon as they are written: the applier sends their rows

@@ -1,0 +1,257 @@
+//! A flow's sinks after the first (`sinks:` in the config): each applies
+//! the flow's one log, written from its one slot, through a cursor of its
+//! own into a target of its own, with its own lock, boundary, checkpoint,
+//! quarantine, health entry and metrics series. The first sink is the
+//! flow's round itself (its target holds the flow's boundary, and a first
+//! run copies into it); the others run beside it, one task each.
+//!
+//! Invariants:
+//! * A sink never stops the flow or another sink: its error ends its own
+//!   round only. Following, a retryable one is retried after a backoff; a
+//!   permanent one (a quarantine, a refused check) leaves it stopped, in
+//!   /healthz and the run's closing lines, until the next start.
+//! * A sink's cursor exists before its boundary is taken, so every
+//!   transaction committing after the boundary is in the log past it.
+//! * A sink whose cursor is missing (a new log, or one dropped past the
+//!   log's cap, [`delivery::over_cap`]) is copied again at a new boundary of its
+//!   own, never resumed across what the log no longer holds. The flow's
+//!   slot is never dropped or moved for it.
+
+use super::delivery::{self, Delivery, Signals};
+use super::{Boundary, FlowError, Start, connect, gate_sink, joins_and_leaves, sink_url};
+use crate::apply::{Applier, ApplyStats};
+use crate::config::{Flow, SinkRef};
+use crate::log::{Log, storage::FsStorage};
+use crate::plan::Tuning;
+use crate::role::Role;
+use crate::service::{FlowState, Observer};
+use crate::{snapshot, state};
+use tokio_postgres::Client;
+
+/// What every sink of one round shares.
+#[derive(Debug)]
+pub struct Shared<'a> {
+    pub flow: &'a Flow,
+    pub index: usize,
+    pub config_path: &'a str,
+    pub role: Role,
+    pub source_url: &'a str,
+    pub source: &'a Client,
+    pub log: &'a Log<FsStorage>,
+    pub begun: &'a tokio::sync::Notify,
+    pub tuning: &'a Tuning,
+    pub follow: bool,
+    /// The cursors of the flow's sinks after the first: past the log's
+    /// cap these are dropped (the sink copies again), never the first's.
+    pub droppable: &'a [String],
+}
+
+/// How one sink's part of a round ended.
+#[derive(Debug)]
+pub struct SinkOutcome {
+    pub sink: String,
+    pub applied: ApplyStats,
+    /// Each boundary of its own it copied at.
+    pub seeded: Vec<snapshot::SnapshotReport>,
+    /// What stopped it, when something did.
+    pub error: Option<FlowError>,
+}
+
+/// The cursors of `flow`'s sinks after the first.
+pub fn droppable(flow: &Flow) -> Vec<String> {
+    flow.sinks()
+        .iter()
+        .skip(1)
+        .map(|s| crate::apply::sink_cursor(&flow.name, s.name))
+        .collect()
+}
+
+/// Runs one sink until capture has ended and it applied everything, or
+/// until it stops.
+pub async fn run(
+    shared: &Shared<'_>,
+    sink: SinkRef<'_>,
+    observe: Option<Observer>,
+    captured: tokio::sync::watch::Receiver<bool>,
+) -> SinkOutcome {
+    let mut outcome = SinkOutcome {
+        sink: sink.name.to_owned(),
+        applied: ApplyStats::default(),
+        seeded: Vec::new(),
+        error: None,
+    };
+    let health = |state: FlowState, error: Option<&FlowError>| {
+        if let Some(o) = &observe {
+            match error {
+                Some(e) => o.health.failed(state, crate::errors::chain_of(e)),
+                None => o.health.state(state),
+            }
+        }
+    };
+    let mut delay = shared.tuning.retry_first;
+    let mut unknown = 0u32;
+    let cursor = crate::apply::sink_cursor(&shared.flow.name, sink.name);
+    loop {
+        let started = std::time::Instant::now();
+        let result = round(
+            shared,
+            sink,
+            observe.as_ref(),
+            captured.clone(),
+            &mut outcome,
+        )
+        .await;
+        let e = match result {
+            Ok(()) => {
+                health(FlowState::Stopped, None);
+                return outcome;
+            }
+            Err(e) => e,
+        };
+        if started.elapsed() >= shared.tuning.retry_reset {
+            delay = shared.tuning.retry_first;
+            unknown = 0;
+        }
+        unknown = if e.unknown() { unknown + 1 } else { 0 };
+        // Dropped past the cap while it applied: the next round copies.
+        let dropped = shared.log.cursor(&cursor).is_none();
+        let retry = (e.retryable() && unknown < super::UNKNOWN_ROUNDS) || dropped;
+        if !shared.follow || !retry || *captured.borrow() {
+            tracing::error!(flow = %shared.flow.name, sink = %sink.name, error = %crate::errors::chain_of(&e), "the sink stopped; the flow's other sinks go on");
+            health(FlowState::Stopped, Some(&e));
+            outcome.error = Some(e);
+            return outcome;
+        }
+        tracing::warn!(flow = %shared.flow.name, sink = %sink.name, error = %crate::errors::chain_of(&e), retry_in_s = delay.as_secs(), "the sink's round ended; it follows again after the wait, the others go on");
+        health(FlowState::Retrying, Some(&e));
+        let mut captured = captured.clone();
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            _ = captured.wait_for(|done| *done) => {}
+        }
+        delay = (delay * 2).min(shared.tuning.retry_max);
+    }
+}
+
+/// One sink round: connect and lock its target, pass the flow's checks
+/// against it, copy at a boundary of its own when it has none it can
+/// resume from, then apply.
+async fn round(
+    shared: &Shared<'_>,
+    sink: SinkRef<'_>,
+    observe: Option<&Observer>,
+    captured: tokio::sync::watch::Receiver<bool>,
+    outcome: &mut SinkOutcome,
+) -> Result<(), FlowError> {
+    let flow = shared.flow;
+    let health = |state: FlowState| {
+        if let Some(o) = observe {
+            o.health.state(state);
+        }
+    };
+    health(FlowState::Starting);
+    let say = |line: &str| tracing::info!(flow = %flow.name, sink = %sink.name, "{line}");
+    let target = connect(&sink_url(flow, shared.index, sink)?, "target").await?;
+    // Held by this session: two sinks that name one database meet here.
+    if let Some(holder) = state::lock_flow(&target, &flow.name, shared.role).await? {
+        return Err(FlowError::SinkBusy {
+            flow: flow.name.clone(),
+            sink: sink.name.to_owned(),
+            holder,
+        });
+    }
+    gate_sink(
+        flow,
+        (shared.source_url, shared.source),
+        &target,
+        shared.config_path,
+        true,
+        &mut |line| say(line),
+    )
+    .await?;
+    state::ensure(&target).await?;
+    let cursor = crate::apply::sink_cursor(&flow.name, sink.name);
+    let stop = Some(captured.clone()).filter(|_| shared.follow);
+    let current = snapshot::load(&target, &flow.name).await?;
+    let resumable = shared.log.cursor(&cursor).is_some()
+        && !snapshot::needs_snapshot(current.as_ref().map(|r| r.state));
+    if resumable {
+        let joining = Boundary {
+            flow,
+            source_url: shared.source_url,
+            log_dir: std::path::Path::new(""),
+            stop,
+            follow: shared.follow,
+        };
+        let start = joins_and_leaves(joining, shared.source, &target, &health, &mut |line| {
+            say(line);
+        })
+        .await?;
+        if matches!(start, Start::Stopped) {
+            return Ok(());
+        }
+    } else {
+        health(FlowState::Snapshotting);
+        // Before the boundary: everything after it is past this cursor.
+        shared.log.register_consumer_at_end(&cursor)?;
+        match snapshot::seed_sink(
+            flow,
+            shared.source_url,
+            shared.source,
+            &target,
+            &mut |line| say(line),
+            stop,
+        )
+        .await
+        {
+            Ok(copied) => {
+                say(&format!(
+                    "copied at a boundary of its own, {}",
+                    copied.consistent_lsn
+                ));
+                outcome.seeded.push(copied);
+            }
+            Err(snapshot::SnapshotError::Stopped) if shared.follow => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    target
+        .batch_execute("SET statement_timeout = 0")
+        .await
+        .map_err(FlowError::Target)?;
+    let mut applier = Applier::new(target, &flow.name, &flow.source_id(), shared.config_path)
+        .with_consumer(cursor)
+        .with_patience(shared.tuning.chunk_patience)
+        .with_cursor_every(shared.tuning.cursor_every)
+        .with_open_after_commit();
+    if let Some(o) = observe {
+        applier = applier.with_metrics(o.metrics.clone());
+    }
+    health(FlowState::Following);
+    let signals = Signals {
+        captured,
+        begun: shared.begun,
+        observe,
+        tuning: shared.tuning,
+        droppable: shared.droppable,
+    };
+    let applied = delivery::apply_stage(
+        &mut applier,
+        &Delivery::Local,
+        shared.log,
+        &flow.name,
+        signals,
+    )
+    .await;
+    applier.close_opened().await;
+    crate::apply::accumulate(&mut outcome.applied, applied?);
+    // pgoutput carries no sequences: a cutover to this sink must not
+    // reuse a key either.
+    if let Err(e) = crate::sequences::bring_forward(flow, shared.source, applier.client()).await {
+        say(&format!(
+            "warning: the flow's sequences were not brought forward on this sink: {}",
+            crate::errors::chain_of(&e)
+        ));
+    }
+    Ok(())
+}
