@@ -661,12 +661,12 @@ async fn reload_on_hangup(
 /// publication, target, capture path, transport) are refused outright:
 /// changing them is a new flow, which a restart checks as a first run.
 fn restart_field(field: &str, flow: &str, config_path: &str) -> String {
-    let identity = ["source", "target", "capture", "transport"]
+    let identity = ["source", "target", "sinks", "capture", "transport"]
         .iter()
         .any(|f| field.starts_with(&format!("flows[{flow}].{f}")));
     if identity {
         format!(
-            "{field} changed: refused, the flow keeps running as it was; where a running flow streams from and into (source URL, slot, publication, target, capture path, transport) never changes live\nhint: to move the flow, end it (`trellara teardown --config {config_path}`, with the config it runs) and start the new one, checked first with `trellara preflight`; a restart with only this field changed meets the flow's own checks and stops with what to do"
+            "{field} changed: refused, the flow keeps running as it was; where a running flow streams from and into (source URL, slot, publication, target or sinks, capture path, transport) never changes live\nhint: to move the flow, end it (`trellara teardown --config {config_path}`, with the config it runs) and start the new one, checked first with `trellara preflight`; a restart with only this field changed meets the flow's own checks and stops with what to do"
         )
     } else {
         format!(
