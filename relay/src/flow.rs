@@ -609,13 +609,13 @@ pub fn sink_url(
 /// re-plans it: a new slot, a new consistent LSN, every table copied again.
 pub async fn request_reseed(
     flow: &Flow,
-    index: usize,
+    (index, sink): (usize, crate::config::SinkRef<'_>),
     reason: &str,
     config_path: &str,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(), FlowError> {
-    let (source_url, target_url) = urls(flow, index)?;
-    let target = connect(&target_url, "target").await?;
+    let source_url = flow.source.url.resolve(&format!("flows[{index}].source"))?;
+    let target = connect(&sink_url(flow, index, sink)?, "target").await?;
     // A running flow (any role) would stream on past the mark; its lock
     // goes with this session, before the reseed's own round takes it.
     if let Some(holder) = state::lock_flow(&target, &flow.name, Role::Both).await? {
@@ -625,7 +625,16 @@ pub async fn request_reseed(
         });
     }
     let source = connect(&source_url, "source").await?;
-    gate(flow, &source_url, &source, &target, config_path, progress).await?;
+    let joins_slot = sink.position.is_some_and(|p| p > 0);
+    gate_sink(
+        flow,
+        (&source_url, &source),
+        &target,
+        config_path,
+        joins_slot,
+        progress,
+    )
+    .await?;
     state::ensure(&target).await?;
     if snapshot::load(&target, &flow.name).await?.is_some() {
         snapshot::transition(
@@ -1423,7 +1432,25 @@ async fn ensure_boundary(
         follow,
     } = boundary;
     let current = snapshot::load(target, &flow.name).await?;
-    if snapshot::needs_snapshot(current.as_ref().map(|r| r.state)) {
+    let needs = snapshot::needs_snapshot(current.as_ref().map(|r| r.state));
+    if needs && current.is_some() && keeps_slot(flow, source, log_dir).await? {
+        // One sink of several is copied again: the others stream on from
+        // the flow's slot and log, so neither is replaced.
+        health(FlowState::Snapshotting);
+        progress(&format!(
+            "snapshot: sink {} is copied again at a boundary of its own; the flow's slot and log stay for its other sinks",
+            flow.first_sink().map_or("?", |s| s.name)
+        ));
+        return match snapshot::seed_sink(flow, source_url, source, target, progress, stop).await {
+            Ok(copied) => Ok(Start::Snapshotted(copied)),
+            Err(e @ snapshot::SnapshotError::Stopped) if follow => {
+                progress(&e.to_string());
+                Ok(Start::Stopped)
+            }
+            Err(e) => Err(e.into()),
+        };
+    }
+    if needs {
         // A new boundary means a new stream: the old log cannot be applied
         // on top of it.
         if log_dir.exists() {
@@ -1462,6 +1489,30 @@ async fn ensure_boundary(
         };
         joins_and_leaves(joining, source, target, health, progress).await
     }
+}
+
+/// Whether a flow of several sinks can copy its first sink again without
+/// a new slot: its slot is on the source and its log is here (its owner
+/// was checked under the log's lock), so the other sinks' positions hold.
+async fn keeps_slot(flow: &Flow, source: &Client, log_dir: &Path) -> Result<bool, FlowError> {
+    if flow.sinks().len() < 2 || !log_dir.exists() {
+        return Ok(false);
+    }
+    let here: bool = source
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database())",
+            &[&flow.slot()],
+        )
+        .await
+        .map_err(|e| {
+            FlowError::Connect(ConnectError::Session {
+                side: "source",
+                target: String::new(),
+                source: e,
+            })
+        })?
+        .get(0);
+    Ok(here)
 }
 
 /// On a target with a boundary: copies the tables that joined the flow

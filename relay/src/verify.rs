@@ -51,6 +51,9 @@ pub struct Divergence {
 #[derive(Debug, Clone, Serialize)]
 pub struct Verdict {
     pub flow: String,
+    /// The sink compared (its dataset_id): the flow's name for a flow of
+    /// one target.
+    pub sink: String,
     pub result: &'static str,
     pub tables: Vec<TableEvidence>,
     pub divergences: Vec<Divergence>,
@@ -507,6 +510,7 @@ impl Commands {
 /// Runs every check for `flow` and records the verdict in the target.
 pub async fn verify(
     flow: &Flow,
+    sink: &str,
     source: &Client,
     target: &Client,
     only_table: Option<&str>,
@@ -544,7 +548,16 @@ pub async fn verify(
     let checkpoint = crate::state::checkpoint::read(target, &flow.name)
         .await
         .map_err(VerifyError::Target)?;
-    watermarks(flow, source, target, horizon, &commands, &mut divergences).await?;
+    let cursor = crate::apply::sink_cursor(&flow.name, sink);
+    watermarks(
+        flow,
+        (source, target),
+        &cursor,
+        horizon,
+        &commands,
+        &mut divergences,
+    )
+    .await?;
     let quarantined = crate::state::quarantine::open(target, &flow.name)
         .await
         .map_err(VerifyError::Target)?;
@@ -574,6 +587,7 @@ pub async fn verify(
     }
     let mut verdict = Verdict {
         flow: flow.name.clone(),
+        sink: sink.to_owned(),
         // Behind is lag, not a divergence: the rows cannot be judged
         // until the target has caught up, and the fix is a run.
         result: if divergences.is_empty() {
@@ -662,8 +676,8 @@ async fn compare_tables(
 /// the topic), nothing committed before `horizon` pending in the slot.
 async fn watermarks(
     flow: &Flow,
-    source: &Client,
-    target: &Client,
+    (source, target): (&Client, &Client),
+    cursor: &str,
     horizon: trellara_common::Lsn,
     commands: &Commands,
     divergences: &mut Vec<Divergence>,
@@ -686,7 +700,7 @@ async fn watermarks(
             recovery: commands.busy.clone(),
         }),
         (Some(dir), Some(_)) => {
-            log_behind(flow, dir, target, &commands.run, divergences).await?;
+            log_behind(flow, (dir, cursor), target, &commands.run, divergences).await?;
         }
         _ => {}
     }
@@ -716,7 +730,7 @@ async fn watermarks(
 /// has not applied. The caller holds the log's lock.
 async fn log_behind(
     flow: &Flow,
-    dir: &Path,
+    (dir, cursor): (&Path, &str),
     target: &Client,
     run: &str,
     divergences: &mut Vec<Divergence>,
@@ -724,7 +738,7 @@ async fn log_behind(
     let (log, _) = Log::open(FsStorage::new(), dir, LogConfig::default())?;
     let crate::config::Transport::Kafka { topic, .. } = &flow.transport else {
         let cursor = log
-            .cursor(&crate::apply::cursor_name(&flow.name))
+            .cursor(cursor)
             .map_or(log.first_offset(), |c| c.next_offset);
         divergences.extend(unread(&log, cursor, "applied", run));
         return Ok(());
@@ -971,6 +985,10 @@ pub fn render_text(v: &Verdict) -> String {
     for n in &v.notes {
         out.push_str(&format!("  note: {n}\n"));
     }
-    out.push_str(&format!("{} {}\n", v.flow, v.result));
+    if v.sink == v.flow {
+        out.push_str(&format!("{} {}\n", v.flow, v.result));
+    } else {
+        out.push_str(&format!("{} (sink {}) {}\n", v.flow, v.sink, v.result));
+    }
     out
 }

@@ -3487,4 +3487,110 @@ service:
         "{major}: SIGTERM drains: {status}\n{}",
         stderr.lock().unwrap()
     );
+
+    // Each sink has its own verify, status and reseed.
+    let verdicts: serde_json::Value = serde_json::from_str(&ok(
+        &trellara(
+            d,
+            &["verify", "--config", "trellara.yml", "--format", "json"],
+        ),
+        "verify",
+    ))
+    .expect("json");
+    let judged: Vec<(&str, &str)> = verdicts
+        .as_array()
+        .expect("verdicts")
+        .iter()
+        .map(|v| (v["sink"].as_str().unwrap(), v["result"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        judged,
+        [("shop", "CONVERGED"), ("lake", "CONVERGED")],
+        "{major}"
+    );
+    lake.psql("UPDATE public.orders SET customer = 'changed' WHERE id = 5000");
+    let out = trellara(d, &["verify", "--config", "trellara.yml", "--sink", "lake"]);
+    assert_eq!(out.status.code(), Some(1), "{major}: the lake diverged");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("shop (sink lake) DIVERGED"));
+    ok(
+        &trellara(d, &["verify", "--config", "trellara.yml", "--sink", "shop"]),
+        "the first sink is untouched",
+    );
+    let status: serde_json::Value = serde_json::from_str(&ok(
+        &trellara(
+            d,
+            &["status", "--config", "trellara.yml", "--format", "json"],
+        ),
+        "status",
+    ))
+    .expect("json");
+    let sink = &status[0]["sinks"][0];
+    assert_eq!(
+        (
+            sink["sink"].as_str(),
+            sink["needs_copy"].as_bool(),
+            sink["last_verify"]["verdict"].as_str()
+        ),
+        (Some("lake"), Some(false), Some("DIVERGED")),
+        "{major}: {status}"
+    );
+    let reseeded = ok(
+        &trellara(
+            d,
+            &[
+                "reseed",
+                "--config",
+                "trellara.yml",
+                "--sink",
+                "lake",
+                "--verify",
+            ],
+        ),
+        "reseed the lake",
+    );
+    assert!(
+        reseeded.contains("shop (sink lake) CONVERGED"),
+        "{reseeded}"
+    );
+    // The first sink copied again keeps the slot and the log: the lake
+    // streams on from its cursor, not from a copy of its own.
+    let reseeded = ok(
+        &trellara(
+            d,
+            &[
+                "reseed",
+                "--config",
+                "trellara.yml",
+                "--sink",
+                "shop",
+                "--verify",
+            ],
+        ),
+        "reseed the first sink",
+    );
+    assert!(
+        reseeded.contains("the flow's slot and log stay for its other sinks")
+            && !reseeded.contains("slot trellara_shop created")
+            && !reseeded.contains("copied at a boundary of its own"),
+        "{major}: {reseeded}"
+    );
+    assert!(reseeded.contains("shop CONVERGED"), "{reseeded}");
+    workload(&source, 400, 2);
+    let out = ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "both apply after the reseeds",
+    );
+    assert!(
+        out.contains("shop CONVERGED") && out.contains("shop (sink lake) CONVERGED"),
+        "{major}: {out}"
+    );
+    assert_eq!(lake.psql_value(orders), "6027");
+    assert_eq!(
+        source.psql_value(slot),
+        the_slot,
+        "{major}: still the one slot"
+    );
 }

@@ -106,6 +106,9 @@ pub struct VerifyArgs {
     table: Option<String>,
     #[arg(long)]
     flow: Option<String>,
+    /// Only this sink of a flow with `sinks:` (its name); default: every sink.
+    #[arg(long)]
+    sink: Option<String>,
     /// Rows per key-range chunk of the whole-table checksum (a larger keyed
     /// table is read in chunks, never in one scan).
     #[arg(long, default_value_t = verify::CHUNK_ROWS, value_parser = clap::value_parser!(u64).range(1..))]
@@ -940,8 +943,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             verify_flows(
                 &config,
                 &config_path,
-                args.flow.as_deref(),
-                None,
+                Only {
+                    flow: args.flow.as_deref(),
+                    sink: None,
+                    table: None,
+                },
                 args.format,
                 verify::CHUNK_ROWS,
                 &rt,
@@ -992,8 +998,11 @@ pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
         verify_flows(
             &config,
             &args.config.display().to_string(),
-            args.flow.as_deref(),
-            table.as_deref(),
+            Only {
+                flow: args.flow.as_deref(),
+                sink: args.sink.as_deref(),
+                table: table.as_deref(),
+            },
             args.format,
             args.chunk_rows,
             &rt,
@@ -1013,15 +1022,27 @@ fn could_not_verify(check: impl FnOnce() -> anyhow::Result<ExitCode>) -> anyhow:
     }
 }
 
+/// What a verify compares: every flow, sink and table unless named.
+#[derive(Debug, Clone, Copy)]
+struct Only<'a> {
+    flow: Option<&'a str>,
+    sink: Option<&'a str>,
+    table: Option<&'a str>,
+}
+
 fn verify_flows(
     config: &Config,
     config_path: &str,
-    only_flow: Option<&str>,
-    table: Option<&str>,
+    only: Only<'_>,
     format: Format,
     chunk_rows: u64,
     rt: &tokio::runtime::Runtime,
 ) -> anyhow::Result<ExitCode> {
+    let Only {
+        flow: only_flow,
+        sink: only_sink,
+        table,
+    } = only;
     let mut verdicts = Vec::new();
     for (index, f) in flows(config, only_flow)? {
         if let Some(t) = table
@@ -1029,19 +1050,34 @@ fn verify_flows(
         {
             continue;
         }
-        let verdict = rt
-            .block_on(async {
-                let (source_url, target_url) = flow::urls(f, index)?;
-                let source = flow::connect(&source_url, "source").await?;
-                let target = flow::connect(&target_url, "target").await?;
-                flow::refuse_same_database(&source, &target, config_path).await?;
-                crate::state::ensure(&target).await?;
-                anyhow::Ok(
-                    verify::verify(f, &source, &target, table, config_path, chunk_rows).await?,
-                )
-            })
-            .with_context(|| format!("verify flow {}", f.name))?;
-        verdicts.push(verdict);
+        for sink in chosen_sinks(f, only_sink)? {
+            let verdict = rt
+                .block_on(async {
+                    let source_url = f.source.url.resolve(&format!("flows[{index}].source"))?;
+                    let target_url = flow::sink_url(f, index, sink)?;
+                    let source = flow::connect(&source_url, "source").await?;
+                    let target = flow::connect(&target_url, "target").await?;
+                    flow::refuse_same_database(&source, &target, config_path).await?;
+                    crate::state::ensure(&target).await?;
+                    anyhow::Ok(
+                        verify::verify(
+                            f,
+                            sink.name,
+                            &source,
+                            &target,
+                            table,
+                            config_path,
+                            chunk_rows,
+                        )
+                        .await?,
+                    )
+                })
+                .with_context(|| match sink.position {
+                    Some(_) => format!("verify flow {} sink {}", f.name, sink.name),
+                    None => format!("verify flow {}", f.name),
+                })?;
+            verdicts.push(verdict);
+        }
     }
     if verdicts.is_empty() {
         let tables: Vec<&str> = config
@@ -1142,6 +1178,14 @@ async fn flow_status(
         v["stopped"] = serde_json::to_value(stop)?;
     }
     v["slot"] = slot_state(f, &source_url).await;
+    let others: Vec<_> = f.sinks().into_iter().skip(1).collect();
+    if !others.is_empty() {
+        let mut sinks = Vec::new();
+        for sink in others {
+            sinks.push(sink_status(f, index, sink).await);
+        }
+        v["sinks"] = serde_json::Value::Array(sinks);
+    }
     if matches!(view, View::Diagnostics)
         && let Some(dir) = f.log_dir()
         && dir.exists()
@@ -1149,6 +1193,55 @@ async fn flow_status(
         v["log"] = log_status(dir)?;
     }
     Ok(v)
+}
+
+/// One sink after the first: its target's state, and whether its log
+/// cursor is there (a missing one is copied again at a boundary of its
+/// own when the flow runs next). An unreachable target is reported, not
+/// an error: the flow's other sinks go on without it.
+async fn sink_status(
+    f: &config::Flow,
+    index: usize,
+    sink: config::SinkRef<'_>,
+) -> serde_json::Value {
+    // The cursor file alone: a running flow holds the log's lock.
+    let cursor = crate::apply::sink_cursor(&f.name, sink.name);
+    let held = f
+        .log_dir()
+        .map(|d| d.join("cursors").join(format!("{cursor}.cursor")).exists());
+    let mut v = json!({
+        "sink": sink.name,
+        "cursor": cursor,
+        "needs_copy": held == Some(false),
+    });
+    let state = async {
+        let target = flow::connect(&flow::sink_url(f, index, sink)?, "target").await?;
+        if !crate::state::present(&target).await? {
+            return anyhow::Ok(json!({"never_ran": true}));
+        }
+        let checkpoint = crate::state::checkpoint::read(&target, &f.name).await?;
+        let snapshot = crate::state::runs::row(&target, &f.name).await?;
+        let quarantined = crate::state::quarantine::open(&target, &f.name)
+            .await?
+            .len();
+        let last_verify = crate::state::verdicts::last(&target, &f.name).await?;
+        Ok(json!({
+            "never_ran": false,
+            "snapshot": snapshot.map(|s| json!({"state": s.run.state.as_str(), "consistent_lsn": s.run.consistent_lsn.map(|l| l.to_string())})),
+            "checkpoint": checkpoint.map(|c| json!({"commit_lsn": c.commit_lsn.to_string(), "transactions": c.transactions, "duplicates_skipped": c.duplicates_skipped})),
+            "quarantined": quarantined,
+            "last_verify": last_verify.map(|(verdict, at)| json!({"verdict": verdict, "at": at})),
+        }))
+    };
+    match state.await {
+        Ok(found) => {
+            if let (Some(v), Some(found)) = (v.as_object_mut(), found.as_object()) {
+                v.extend(found.clone());
+            }
+        }
+        Err(e) => v["error"] = json!(super::chain(&e)),
+    }
+    v
 }
 
 /// The log's offsets, cursors and retention pressure; only `in_use` while
@@ -1171,6 +1264,31 @@ fn log_status(dir: &std::path::Path) -> anyhow::Result<serde_json::Value> {
 }
 
 /// `status --format text` of one flow.
+/// One line for a sink after the first.
+fn print_sink(sink: &serde_json::Value) {
+    let name = sink["sink"].as_str().unwrap_or("");
+    let line = if let Some(e) = sink["error"].as_str() {
+        format!("unreachable: {}", e.lines().next().unwrap_or(""))
+    } else if sink["never_ran"] == true {
+        "never ran against its target".to_owned()
+    } else {
+        format!(
+            "snapshot {}, applied {} transactions through {}, quarantine {} open, last verify {}",
+            sink["snapshot"]["state"].as_str().unwrap_or("none"),
+            sink["checkpoint"]["transactions"],
+            sink["checkpoint"]["commit_lsn"].as_str().unwrap_or("-"),
+            sink["quarantined"],
+            sink["last_verify"]["verdict"].as_str().unwrap_or("never")
+        )
+    };
+    outln!("  sink {name:<6} {line}");
+    if sink["needs_copy"] == true {
+        outln!(
+            "    needs a copy: its log cursor is gone (a new log, or the sink held the log past transport.retention_mib); the next run copies it at a boundary of its own"
+        );
+    }
+}
+
 fn print_status(config_path: &str, v: &serde_json::Value) {
     outln!("flow {}", v["flow"].as_str().unwrap_or(""));
     if let Some(t) = v.get("throwaway_target").filter(|t| !t.is_null()) {
@@ -1228,6 +1346,9 @@ fn print_status(config_path: &str, v: &serde_json::Value) {
     );
     let q = v["quarantined"].as_array().map_or(0, Vec::len);
     outln!("  quarantine  {q} open");
+    for sink in v["sinks"].as_array().into_iter().flatten() {
+        print_sink(sink);
+    }
     for item in v["quarantined"].as_array().into_iter().flatten() {
         outln!(
             "    {} {}\n      recovery: {}",
@@ -1346,6 +1467,10 @@ pub struct ReseedArgs {
     config: PathBuf,
     #[arg(long)]
     flow: Option<String>,
+    /// Only this sink of a flow with `sinks:`: copied again at a boundary
+    /// of its own, the flow's slot and the other sinks untouched.
+    #[arg(long)]
+    sink: Option<String>,
     /// End with `verify` and its exit status.
     #[arg(long)]
     verify: bool,
@@ -1370,14 +1495,16 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
                 errln!("[{}] {line}", f.name);
             }
         };
-        rt.block_on(flow::request_reseed(
-            f,
-            index,
-            "reseed requested by the operator",
-            &config_path,
-            &mut progress,
-        ))
-        .with_context(|| format!("reseed flow {}", f.name))?;
+        for sink in chosen_sinks(f, args.sink.as_deref())? {
+            rt.block_on(flow::request_reseed(
+                f,
+                (index, sink),
+                "reseed requested by the operator",
+                &config_path,
+                &mut progress,
+            ))
+            .with_context(|| format!("reseed flow {} sink {}", f.name, sink.name))?;
+        }
         reports.push(
             rt.block_on(flow::run_once(f, index, &config_path, false, &mut progress))
                 .with_context(|| format!("reseed flow {}", f.name))?,
@@ -1392,8 +1519,11 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
             verify_flows(
                 &config,
                 &config_path,
-                args.flow.as_deref(),
-                None,
+                Only {
+                    flow: args.flow.as_deref(),
+                    sink: args.sink.as_deref(),
+                    table: None,
+                },
                 args.format,
                 verify::CHUNK_ROWS,
                 &rt,
@@ -1401,6 +1531,30 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
         });
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The flow's sinks `--sink` names (every one without it); an unknown
+/// name is refused with the names there are.
+fn chosen_sinks<'f>(
+    f: &'f config::Flow,
+    only: Option<&str>,
+) -> anyhow::Result<Vec<config::SinkRef<'f>>> {
+    let sinks: Vec<_> = f
+        .sinks()
+        .into_iter()
+        .filter(|s| only.is_none_or(|o| o == s.name))
+        .collect();
+    if let Some(name) = only
+        && sinks.is_empty()
+    {
+        let names: Vec<&str> = f.sinks().iter().map(|s| s.name).collect();
+        anyhow::bail!(
+            "flow {} has no sink named {name:?}\nhint: --sink takes one of {}",
+            f.name,
+            names.join(", ")
+        );
+    }
+    Ok(sinks)
 }
 
 #[derive(Debug, clap::Args)]
