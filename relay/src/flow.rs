@@ -927,6 +927,19 @@ async fn run_round<W: Watch>(
     let mut stage = open_stage(flow, role, target, config_path, observe.as_ref(), progress).await?;
     let droppable = sinks::droppable(flow);
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
+    let shared = sinks::Shared {
+        flow,
+        index,
+        config_path,
+        role,
+        source_url: &source_url,
+        source: &source,
+        log: &log,
+        begun: &begun,
+        tuning: &TUNING,
+        follow,
+        droppable: &droppable,
+    };
     let apply = async {
         let signals = Signals {
             captured: done_rx.clone(),
@@ -935,7 +948,21 @@ async fn run_round<W: Watch>(
             tuning: &TUNING,
             droppable: &droppable,
         };
-        let result = stage.run(&log, &flow.name, signals).await;
+        let result = match stage.run(&log, &flow.name, signals).await {
+            // Following with several sinks, the first one's failure ends
+            // only its own part: capture and the others go on while it
+            // retries on its own, under the flow's lock this process holds.
+            Err(e) if follow && target_lock.is_some() && flow.sinks().len() > 1 => {
+                tracing::warn!(flow = %flow.name, error = %crate::errors::chain_of(&e), "the first sink's apply ended; it follows again on its own, the flow's other sinks go on");
+                let first = flow
+                    .first_sink()
+                    .expect("a flow of several sinks has a first");
+                let retried =
+                    sinks::run(&shared, first, observe.clone(), done_rx.clone(), true).await;
+                Ok((ApplyStats::default(), Some(retried)))
+            }
+            other => other.map(|stats| (stats, None)),
+        };
         if result.is_err() {
             // Capture stops too.
             let _ = failed_tx.send(true);
@@ -952,24 +979,11 @@ async fn run_round<W: Watch>(
     // Following is capture's to say, once its session streams (external)
     // or the worker connects (native): a worker that never comes is not
     // ready.
-    let shared = sinks::Shared {
-        flow,
-        index,
-        config_path,
-        role,
-        source_url: &source_url,
-        source: &source,
-        log: &log,
-        begun: &begun,
-        tuning: &TUNING,
-        follow,
-        droppable: &droppable,
-    };
     let others = futures_util::future::join_all(flow.sinks().into_iter().skip(1).map(|sink| {
         let observe = observe
             .as_ref()
             .map(|o| o.sink(&flow.name, &flow.source_id(), sink.name));
-        sinks::run(&shared, sink, observe, done_rx.clone())
+        sinks::run(&shared, sink, observe, done_rx.clone(), false)
     }));
     let (captured, applied, watched, (), others) = tokio::join!(
         capture,
@@ -981,13 +995,24 @@ async fn run_round<W: Watch>(
     report.sinks = others;
     let target = stage.target();
     let stats = captured_or_failed(flow, target, captured).await?;
-    report.apply = applied?;
+    let (applied, retried) = applied?;
+    report.apply = applied;
+    // The first sink's own session ended with its failure: its retries
+    // did its bookkeeping (sequences) on theirs.
+    let first_target = match retried {
+        Some(retried) => {
+            crate::apply::accumulate(&mut report.apply, retried.applied.clone());
+            report.sinks.insert(0, retried);
+            None
+        }
+        None => Some(target),
+    };
     // The flow's own errors come first; the watcher's after them.
     watched?;
     report.envelopes_captured = stats.envelopes;
     report.capture_duplicates_skipped = stats.duplicates_skipped;
     report.caught_up_to = (!follow).then_some(goal);
-    wrap_up(flow, role, (&source, target), &report, progress).await?;
+    wrap_up(flow, role, (&source, first_target), &report, progress).await?;
     // A run that ends at the source's position has not got there for a
     // sink that stopped; a following one says so above and in /healthz.
     let stopped: Vec<&str> = report
@@ -1109,6 +1134,7 @@ async fn open_stage(
             .await
             .map_err(FlowError::Target)?;
         let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
+            .with_cursor_name(crate::apply::first_cursor(flow))
             .with_patience(TUNING.chunk_patience)
             .with_cursor_every(TUNING.cursor_every);
         if delivery.opens_ahead() {
@@ -1345,19 +1371,21 @@ fn open_log(
 async fn wrap_up(
     flow: &Flow,
     role: Role,
-    (source, target): (&Client, &Client),
+    (source, target): (&Client, Option<&Client>),
     report: &RunReport,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(), FlowError> {
-    state::clear_stop(target, &flow.name).await?;
-    // pgoutput carries no sequences: a cutover must not reuse a key.
-    match crate::sequences::bring_forward(flow, source, target).await {
-        Ok(moved) => moved.iter().for_each(|m| progress(m)),
-        Err(e) => progress(&format!(
-            "warning: the flow's sequences were not brought forward on the target: {}\nhint: grant the source role SELECT on them",
-            e.as_db_error()
-                .map_or_else(|| e.to_string(), |d| d.message().to_owned())
-        )),
+    if let Some(target) = target {
+        state::clear_stop(target, &flow.name).await?;
+        // pgoutput carries no sequences: a cutover must not reuse a key.
+        match crate::sequences::bring_forward(flow, source, target).await {
+            Ok(moved) => moved.iter().for_each(|m| progress(m)),
+            Err(e) => progress(&format!(
+                "warning: the flow's sequences were not brought forward on the target: {}\nhint: grant the source role SELECT on them",
+                e.as_db_error()
+                    .map_or_else(|| e.to_string(), |d| d.message().to_owned())
+            )),
+        }
     }
     if let (Role::Relay, crate::config::Transport::Kafka { topic, .. }) = (role, &flow.transport) {
         // The relay role applies nothing: the apply service does.

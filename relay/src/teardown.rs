@@ -284,7 +284,7 @@ pub async fn plan(flow: &Flow, source: &Client, target: &Client) -> Result<Plan,
     if let Transport::Kafka { topic, .. } = &flow.transport {
         kept.push(format!(
             "Kafka topic {topic} and consumer group {}: delete them on the broker if nothing else reads them",
-            crate::apply::cursor_name(&flow.name)
+            crate::apply::first_cursor(flow)
         ));
     }
     Ok(Plan {

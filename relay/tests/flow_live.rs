@@ -3593,4 +3593,61 @@ service:
         the_slot,
         "{major}: still the one slot"
     );
+
+    // The first sink quarantined while following: the lake goes on.
+    first.psql("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (total < 5) NOT VALID");
+    let (mut child, addr, stderr) = spawn_follower(d);
+    let wait_until = |what: &str, secs: u64, ok: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        while !ok() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{major}: never {what}:\n{}",
+                stderr.lock().unwrap()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    wait_until("ready again", 90, &|| http_get(&addr, "/readyz").0 == 200);
+    source.psql("INSERT INTO public.orders VALUES (9000, 'big', 99)");
+    workload(&source, 500, 3);
+    wait_until(
+        "the lake applied past the first sink's refusal",
+        60,
+        &|| lake.psql_value(orders) == "6031",
+    );
+    let health = || -> serde_json::Value {
+        serde_json::from_str(&http_get(&addr, "/healthz").1).expect("healthz is JSON")
+    };
+    wait_until("the first sink shown stopped", 60, &|| {
+        health()["flows"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|f| f["dataset_id"] == "shop" && f["state"] == "stopped")
+    });
+    let all = health();
+    let lake_health = all["flows"]
+        .as_array()
+        .expect("flows")
+        .iter()
+        .find(|f| f["dataset_id"] == "lake")
+        .expect("the lake's entry")
+        .clone();
+    assert_eq!(lake_health["state"], "following", "{major}: {all}");
+    assert_eq!(
+        http_get(&addr, "/readyz").0,
+        503,
+        "{major}: a stopped sink is not ready"
+    );
+    assert_eq!(
+        first.psql_value(orders),
+        "6027",
+        "{major}: nothing of it applied"
+    );
+    assert!(
+        child.try_wait().expect("poll").is_none(),
+        "{major}: still running"
+    );
+    terminate(&mut child);
 }

@@ -553,6 +553,14 @@ pub fn sink_cursor(flow: &str, sink: &str) -> String {
     }
 }
 
+/// The log cursor (or Kafka consumer group) of `flow`'s first sink.
+pub fn first_cursor(flow: &crate::config::Flow) -> String {
+    flow.first_sink().map_or_else(
+        || cursor_name(&flow.name),
+        |s| sink_cursor(&flow.name, s.name),
+    )
+}
+
 fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), Refusal> {
     if hooks.crash_at(point) {
         return Err(Refusal::Crashed(point));
@@ -691,6 +699,13 @@ impl<T: Target> Applier<T> {
     /// target commit (the default), letting the commits in between be
     /// asynchronous; [`persist_cursor`](Self::persist_cursor) persists what
     /// is left.
+    /// Reads with the log cursor `consumer`, registered at the log's
+    /// start when missing (the first sink of a flow: [`first_cursor`]).
+    pub fn with_cursor_name(mut self, consumer: String) -> Self {
+        self.consumer = consumer;
+        self
+    }
+
     /// Reads with the log cursor `consumer`, which must exist (one of a
     /// flow's several sinks: [`sink_cursor`]).
     pub fn with_consumer(mut self, consumer: String) -> Self {

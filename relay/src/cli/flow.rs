@@ -1602,7 +1602,7 @@ pub fn stream(args: StreamArgs) -> anyhow::Result<ExitCode> {
             crate::log::LogConfig::default(),
         )?;
         let needed = log
-            .cursor(&crate::apply::cursor_name(&f.name))
+            .cursor(&crate::apply::first_cursor(f))
             .map_or(log.first_offset(), |c| c.next_offset);
         let present = needed >= log.first_offset();
         all_present &= present;

@@ -70,7 +70,7 @@ impl Delivery {
         Ok(match ready_topic(flow, progress).await? {
             Some(target) => Delivery::Kafka {
                 publisher: Publisher::new(target.clone(), &flow.name)?,
-                feed: Feed::new(target, &crate::apply::cursor_name(&flow.name))?,
+                feed: Feed::new(target, &crate::apply::first_cursor(flow))?,
             },
             None => Delivery::Local,
         })
@@ -354,8 +354,7 @@ pub async fn apply_round(
         .ok_or_else(|| FlowError::SplitNeedsKafka {
             flow: flow.name.clone(),
         })?;
-    let feed =
-        Feed::new(topic, &crate::apply::cursor_name(&flow.name)).map_err(ApplyError::from)?;
+    let feed = Feed::new(topic, &crate::apply::first_cursor(flow)).map_err(ApplyError::from)?;
     target
         .batch_execute("SET statement_timeout = 0")
         .await

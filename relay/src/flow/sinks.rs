@@ -68,11 +68,14 @@ pub fn droppable(flow: &Flow) -> Vec<String> {
 
 /// Runs one sink until capture has ended and it applied everything, or
 /// until it stops.
+/// `locked`: the round holds the flow's lock on this sink's target
+/// already (the first sink, retrying after its stage failed).
 pub async fn run(
     shared: &Shared<'_>,
     sink: SinkRef<'_>,
     observe: Option<Observer>,
     captured: tokio::sync::watch::Receiver<bool>,
+    locked: bool,
 ) -> SinkOutcome {
     let mut outcome = SinkOutcome {
         sink: sink.name.to_owned(),
@@ -91,11 +94,21 @@ pub async fn run(
     let mut delay = shared.tuning.retry_first;
     let mut unknown = 0u32;
     let cursor = crate::apply::sink_cursor(&shared.flow.name, sink.name);
+    let mut started_once = !locked;
     loop {
         let started = std::time::Instant::now();
+        // The first sink retries after its stage failed: wait first.
+        if !started_once {
+            let mut captured = captured.clone();
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                _ = captured.wait_for(|done| *done) => {}
+            }
+        }
+        started_once = true;
         let result = round(
             shared,
-            sink,
+            (sink, locked),
             observe.as_ref(),
             captured.clone(),
             &mut outcome,
@@ -138,7 +151,7 @@ pub async fn run(
 /// resume from, then apply.
 async fn round(
     shared: &Shared<'_>,
-    sink: SinkRef<'_>,
+    (sink, locked): (SinkRef<'_>, bool),
     observe: Option<&Observer>,
     captured: tokio::sync::watch::Receiver<bool>,
     outcome: &mut SinkOutcome,
@@ -153,19 +166,20 @@ async fn round(
     let say = |line: &str| tracing::info!(flow = %flow.name, sink = %sink.name, "{line}");
     let target = connect(&sink_url(flow, shared.index, sink)?, "target").await?;
     // Held by this session: two sinks that name one database meet here.
-    if let Some(holder) = state::lock_flow(&target, &flow.name, shared.role).await? {
+    if !locked && let Some(holder) = state::lock_flow(&target, &flow.name, shared.role).await? {
         return Err(FlowError::SinkBusy {
             flow: flow.name.clone(),
             sink: sink.name.to_owned(),
             holder,
         });
     }
+    // The first sink's target claimed the slot itself.
     gate_sink(
         flow,
         (shared.source_url, shared.source),
         &target,
         shared.config_path,
-        true,
+        !locked,
         &mut |line| say(line),
     )
     .await?;
