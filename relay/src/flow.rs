@@ -1001,7 +1001,7 @@ async fn run_round<W: Watch>(
     // did its bookkeeping (sequences) on theirs.
     let first_target = match retried {
         Some(retried) => {
-            crate::apply::accumulate(&mut report.apply, retried.applied.clone());
+            crate::apply::accumulate(&mut report.apply, retried.applied);
             report.sinks.insert(0, retried);
             None
         }
