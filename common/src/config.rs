@@ -798,6 +798,8 @@ fn flow_secrets(environment: Environment, i: usize, flow: &Flow, issues: &mut Is
     }
     for (side, secret, throwaway) in sides {
         let side = side.as_str();
+        // A sink of a `sinks:` list has no throwaway form.
+        let listed = side.starts_with("sinks[");
         let set = [
             secret.url.is_some(),
             secret.url_env.is_some(),
@@ -810,12 +812,12 @@ fn flow_secrets(environment: Environment, i: usize, flow: &Flow, issues: &mut Is
         if set != 1 {
             issue(
                 at(side),
-                if side != "source" {
+                if side != "source" && !listed {
                     format!("has {set} of url, url_env, url_file, throwaway")
                 } else {
                     format!("has {set} of url, url_env, url_file")
                 },
-                if side != "source" {
+                if side != "source" && !listed {
                     "give exactly one of url, url_env, url_file or throwaway"
                 } else {
                     "give exactly one of url, url_env or url_file"
@@ -849,8 +851,8 @@ fn flow_sinks(i: usize, flow: &Flow, issues: &mut Issues) {
     match (&flow.target, flow.sinks.is_empty()) {
         (None, true) => issue(
             at("target"),
-            "is missing (and there is no sinks: list)".into(),
-            "give the flow a target: (url, url_env or url_file), or a sinks: list",
+            "is missing, and no sink is listed under sinks:".into(),
+            "give the flow a target: (url, url_env or url_file), or list its sinks (name and target) under sinks:",
         ),
         (Some(_), false) => issue(
             at("sinks"),
@@ -896,7 +898,9 @@ fn flow_sinks(i: usize, flow: &Flow, issues: &mut Issues) {
         }
         let url = &sink.target.url;
         let named = (url.url.clone(), url.url_env.clone(), url.url_file.clone());
-        if let Some((_, first)) = urls.iter().find(|(u, _)| *u == named) {
+        // One with none is refused as such (flow_secrets), not as a twin.
+        let none = named == (None, None, None);
+        if !none && let Some((_, first)) = urls.iter().find(|(u, _)| *u == named) {
             issue(
                 at("target"),
                 format!("is the target of sinks[{first}] too"),
@@ -1461,7 +1465,7 @@ flows:
             fields(&neither),
             [(
                 "flows[0].target".to_owned(),
-                "is missing (and there is no sinks: list)".to_owned()
+                "is missing, and no sink is listed under sinks:".to_owned()
             )]
         );
         let twice = SINKS.replace("name: analytics", "name: shop");
@@ -1485,6 +1489,21 @@ flows:
         );
         let bad_name = SINKS.replace("name: analytics", "name: Lake");
         assert_eq!(fields(&bad_name)[0].0, "flows[0].sinks[1].name");
+        let empty = SINKS.replace("          url_env: SHOP_TARGET", "          {}");
+        let empty = empty.replace("        target:\n          {}", "        target: {}");
+        assert_eq!(
+            fields(&empty),
+            [(
+                "flows[0].sinks[0].target".to_owned(),
+                "has 0 of url, url_env, url_file".to_owned()
+            )],
+            "one problem, and no twin of another sink"
+        );
+        let none = GOOD.replace(
+            "    target:\n      url_env: TARGET_URL\n",
+            "    sinks: []\n",
+        );
+        assert_eq!(fields(&none)[0].0, "flows[0].target");
         let two_urls = SINKS.replace(
             "          url_env: SHOP_TARGET",
             "          url_env: SHOP_TARGET\n          url_file: /etc/t",
@@ -1493,7 +1512,7 @@ flows:
             fields(&two_urls),
             [(
                 "flows[0].sinks[0].target".to_owned(),
-                "has 2 of url, url_env, url_file, throwaway".to_owned()
+                "has 2 of url, url_env, url_file".to_owned()
             )]
         );
         let kafka = format!(

@@ -876,7 +876,22 @@ async fn run_round<W: Watch>(
     // Capture until everything committed before now is durable, however
     // it was committed (crate::horizon).
     let goal = crate::horizon::last_record_end(&source).await?;
-    let floor = checkpoint_floor(&target, &flow.name).await?;
+    // Capture and apply run together on one log: the applier takes what
+    // is durable while capture continues, and finishes after capture stops.
+    let log = open_log(flow, &log_dir, &owner, progress)?;
+    let several = flow.sinks().len() > 1;
+    // Of several sinks, the log the others read decides what the slot may
+    // be confirmed past, not the first one's checkpoint (which a copy of
+    // its own moves ahead); a new log has only the first sink's copy.
+    let floor = if several && log.next_offset() > 0 {
+        Lsn::ZERO
+    } else {
+        checkpoint_floor(&target, &flow.name).await?
+    };
+    if several && log.next_offset() == 0 {
+        log.register_consumer(&crate::apply::first_cursor(flow))?;
+    }
+    forget_removed_sinks(flow, &log, progress);
     let (tx, rx) = tokio::sync::watch::channel(Lsn::ZERO);
     let tx = Arc::new(tx);
     let begun = Arc::new(tokio::sync::Notify::new());
@@ -894,9 +909,6 @@ async fn run_round<W: Watch>(
     } else {
         format!("capture: streaming slot {} until {goal}", flow.slot())
     });
-    // Capture and apply run together on one log: the applier takes what
-    // is durable while capture continues, and finishes after capture stops.
-    let log = open_log(flow, &log_dir, &owner, progress)?;
     let (failed_tx, failed_rx) = tokio::sync::watch::channel(false);
     let (done_tx, done_rx) = tokio::sync::watch::channel(false);
     let stop = capture_stop(
@@ -925,7 +937,7 @@ async fn run_round<W: Watch>(
         result
     };
     let mut stage = open_stage(flow, role, target, config_path, observe.as_ref(), progress).await?;
-    let droppable = sinks::droppable(flow);
+    let droppable = delivery::Droppable::of(flow);
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let shared = sinks::Shared {
         flow,
@@ -933,7 +945,6 @@ async fn run_round<W: Watch>(
         config_path,
         role,
         source_url: &source_url,
-        source: &source,
         log: &log,
         begun: &begun,
         tuning: &TUNING,
@@ -1071,7 +1082,19 @@ async fn open_sessions(
         });
     }
     let source = connect(&source_url, "source").await?;
-    gate(flow, &source_url, &source, &target, config_path, progress).await?;
+    // Of several sinks, the first one's target may not have claimed the
+    // slot (a sink added in front): the flow's own log proves it is the
+    // flow's.
+    let joins_slot = flow.sinks().len() > 1 && log_dir.exists();
+    gate_sink(
+        flow,
+        (&source_url, &source),
+        &target,
+        config_path,
+        joins_slot,
+        progress,
+    )
+    .await?;
     let owner = crate::identity::LogOwner::of(flow, &source).await?;
     state::ensure(&target).await?;
     // One writer per log, across processes, for the whole run.
@@ -1134,9 +1157,16 @@ async fn open_stage(
             .await
             .map_err(FlowError::Target)?;
         let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
-            .with_cursor_name(crate::apply::first_cursor(flow))
             .with_patience(TUNING.chunk_patience)
             .with_cursor_every(TUNING.cursor_every);
+        // Of several sinks the first one's cursor is there by now (the
+        // round registered it): a missing one is an error, never a start
+        // from the log's beginning.
+        applier = if flow.sinks().len() > 1 {
+            applier.with_consumer(crate::apply::first_cursor(flow))
+        } else {
+            applier.with_cursor_name(crate::apply::first_cursor(flow))
+        };
         if delivery.opens_ahead() {
             applier = applier.with_open_after_commit();
         }
@@ -1460,10 +1490,17 @@ async fn ensure_boundary(
         follow,
     } = boundary;
     let current = snapshot::load(target, &flow.name).await?;
-    let needs = snapshot::needs_snapshot(current.as_ref().map(|r| r.state));
-    if needs && current.is_some() && keeps_slot(flow, source, log_dir).await? {
+    let mut needs = snapshot::needs_snapshot(current.as_ref().map(|r| r.state));
+    // Of several sinks, the first one's cursor gone from a log that has
+    // records (dropped, or the sinks reordered): it cannot resume.
+    let first_lost = flow.sinks().len() > 1 && first_cursor_lost(flow, log_dir)?;
+    if (needs || first_lost) && keeps_slot(flow, source, target, log_dir).await? {
         // One sink of several is copied again: the others stream on from
-        // the flow's slot and log, so neither is replaced.
+        // the flow's slot and log, so neither is replaced. Its cursor is
+        // at the log's end before the boundary is taken.
+        let (log, _) = Log::open(FsStorage::new(), log_dir, LogConfig::default())?;
+        log.register_consumer_at_end(&crate::apply::first_cursor(flow))?;
+        drop(log);
         health(FlowState::Snapshotting);
         progress(&format!(
             "snapshot: sink {} is copied again at a boundary of its own; the flow's slot and log stay for its other sinks",
@@ -1478,6 +1515,7 @@ async fn ensure_boundary(
             Err(e) => Err(e.into()),
         };
     }
+    needs |= first_lost;
     if needs {
         // A new boundary means a new stream: the old log cannot be applied
         // on top of it.
@@ -1519,16 +1557,71 @@ async fn ensure_boundary(
     }
 }
 
-/// Whether a flow of several sinks can copy its first sink again without
-/// a new slot: its slot is on the source and its log is here (its owner
-/// was checked under the log's lock), so the other sinks' positions hold.
-async fn keeps_slot(flow: &Flow, source: &Client, log_dir: &Path) -> Result<bool, FlowError> {
-    if flow.sinks().len() < 2 || !log_dir.exists() {
+/// Drops the cursors of sinks no longer in the config (removed or
+/// renamed), which would hold the log for ever; a sink added back is
+/// copied again at a boundary of its own.
+fn forget_removed_sinks(flow: &Flow, log: &Log<FsStorage>, progress: &mut dyn FnMut(&str)) {
+    let sinks: Vec<String> = flow
+        .sinks()
+        .iter()
+        .map(|s| crate::apply::sink_cursor(&flow.name, s.name))
+        .collect();
+    let own = crate::apply::cursor_name(&flow.name);
+    for (cursor, _) in log.cursors() {
+        let a_sink = cursor.starts_with("sink-") || cursor == own;
+        if a_sink && !sinks.contains(&cursor) {
+            match log.unregister_consumer(&cursor) {
+                Ok(()) => progress(&format!(
+                    "log: dropped cursor {cursor}: its sink is no longer in the config"
+                )),
+                Err(e) => progress(&format!("log: could not drop cursor {cursor}: {e}")),
+            }
+        }
+    }
+}
+
+/// Whether the first of several sinks has no cursor in a log that holds
+/// records.
+fn first_cursor_lost(flow: &Flow, log_dir: &Path) -> Result<bool, FlowError> {
+    if !log_dir.exists() {
         return Ok(false);
     }
-    let here: bool = source
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database())",
+    let (log, _) = Log::open(FsStorage::new(), log_dir, LogConfig::default())?;
+    Ok(log.next_offset() > 0 && log.cursor(&crate::apply::first_cursor(flow)).is_none())
+}
+
+/// Whether a flow of several sinks can copy its first sink again without
+/// a new slot, so the other sinks' positions in the log hold: the log is
+/// here (its owner was checked under the log's lock), the slot is on the
+/// source, not invalidated and confirmed no further than the log has
+/// acknowledged, and no stop (a schema drift, a lost slot) waits on the
+/// first target. Anything else needs a new stream for every sink.
+async fn keeps_slot(
+    flow: &Flow,
+    source: &Client,
+    target: &Client,
+    log_dir: &Path,
+) -> Result<bool, FlowError> {
+    if flow.sinks().len() < 2
+        || !log_dir.exists()
+        || state::stop(target, &flow.name).await?.is_some()
+    {
+        return Ok(false);
+    }
+    let (log, _) = Log::open(FsStorage::new(), log_dir, LogConfig::default())?;
+    // What capture resumes from: the last whole transaction's end, or an
+    // idle advance recorded past it.
+    let acked = crate::capture::read_resume(&log)?.ack_lsn;
+    if !acked.is_valid() {
+        return Ok(false);
+    }
+    let acked = acked.0;
+    // invalidation_reason exists from PostgreSQL 17 on; wal_status 'lost'
+    // says the same before it.
+    let slot = source
+        .query_opt(
+            "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::int8, wal_status = 'lost' OR to_jsonb(s) ->> 'invalidation_reason' IS NOT NULL
+             FROM pg_replication_slots s WHERE slot_name = $1 AND database = current_database()",
             &[&flow.slot()],
         )
         .await
@@ -1538,9 +1631,12 @@ async fn keeps_slot(flow: &Flow, source: &Client, log_dir: &Path) -> Result<bool
                 target: String::new(),
                 source: e,
             })
-        })?
-        .get(0);
-    Ok(here)
+        })?;
+    Ok(slot.is_some_and(|row| {
+        let confirmed: Option<i64> = row.get(0);
+        let lost: Option<bool> = row.get(1);
+        lost != Some(true) && confirmed.is_some_and(|c| u64::try_from(c).is_ok_and(|c| c <= acked))
+    }))
 }
 
 /// On a target with a boundary: copies the tables that joined the flow

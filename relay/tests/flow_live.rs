@@ -3371,7 +3371,7 @@ flows:
     source:
       url: {}
     sinks:
-      - name: shop
+      - name: main
         target:
           url: {}
       - name: lake
@@ -3434,11 +3434,29 @@ service:
     });
     assert_eq!(lake.psql_value(content), source.psql_value(content));
     let (_, metrics) = http_get(&addr, "/metrics");
-    assert!(
-        metrics
-            .contains("trellara_applied_transactions_total{dataset_id=\"lake\",service=\"apply\""),
-        "{major}: the lake has its own series:\n{metrics}"
+    assert_eq!(
+        checked_families(d, &metrics).len(),
+        7,
+        "{major}: still the seven names"
     );
+    // Two sinks, two apply series; each counts its own sink's commits
+    // (the twenty streamed since the copies).
+    for sink in ["main", "lake"] {
+        let applied = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("trellara_applied_transactions_total{")
+                    && l.contains(&format!("dataset_id=\"{sink}\""))
+            })
+            .unwrap_or_else(|| panic!("{major}: no series of {sink}:\n{metrics}"));
+        let counted: f64 = applied
+            .rsplit_once(' ')
+            .expect("value")
+            .1
+            .parse()
+            .expect("number");
+        assert_eq!(counted, 20.0, "{major}: {applied}");
+    }
 
     // Past the cap (4 MiB) while stalled: the lake's cursor goes, the
     // log stays small, the first sink is untouched.
@@ -3505,7 +3523,7 @@ service:
         .collect();
     assert_eq!(
         judged,
-        [("shop", "CONVERGED"), ("lake", "CONVERGED")],
+        [("main", "CONVERGED"), ("lake", "CONVERGED")],
         "{major}"
     );
     lake.psql("UPDATE public.orders SET customer = 'changed' WHERE id = 5000");
@@ -3513,7 +3531,7 @@ service:
     assert_eq!(out.status.code(), Some(1), "{major}: the lake diverged");
     assert!(String::from_utf8_lossy(&out.stdout).contains("shop (sink lake) DIVERGED"));
     ok(
-        &trellara(d, &["verify", "--config", "trellara.yml", "--sink", "shop"]),
+        &trellara(d, &["verify", "--config", "trellara.yml", "--sink", "main"]),
         "the first sink is untouched",
     );
     let status: serde_json::Value = serde_json::from_str(&ok(
@@ -3562,7 +3580,7 @@ service:
                 "--config",
                 "trellara.yml",
                 "--sink",
-                "shop",
+                "main",
                 "--verify",
             ],
         ),
@@ -3574,7 +3592,10 @@ service:
             && !reseeded.contains("copied at a boundary of its own"),
         "{major}: {reseeded}"
     );
-    assert!(reseeded.contains("shop CONVERGED"), "{reseeded}");
+    assert!(
+        reseeded.contains("shop (sink main) CONVERGED"),
+        "{reseeded}"
+    );
     workload(&source, 400, 2);
     let out = ok(
         &trellara(
@@ -3584,7 +3605,7 @@ service:
         "both apply after the reseeds",
     );
     assert!(
-        out.contains("shop CONVERGED") && out.contains("shop (sink lake) CONVERGED"),
+        out.contains("shop (sink main) CONVERGED") && out.contains("shop (sink lake) CONVERGED"),
         "{major}: {out}"
     );
     assert_eq!(lake.psql_value(orders), "6027");
@@ -3593,6 +3614,33 @@ service:
         the_slot,
         "{major}: still the one slot"
     );
+
+    // Reordered, each sink keeps its own cursor (by name), so the new
+    // first one resumes where it was, with no copy and no gap.
+    let config = d.join("trellara.yml");
+    let text = std::fs::read_to_string(&config).expect("config");
+    let (head, rest) = text.split_once("      - name: main\n").expect("main");
+    let (main, tail) = rest.split_once("      - name: lake\n").expect("lake");
+    let (lake_entry, after) = tail.split_once("    tables:").expect("tables");
+    let swapped = format!(
+        "{head}      - name: lake\n{lake_entry}      - name: main\n{main}    tables:{after}"
+    );
+    std::fs::write(&config, &swapped).expect("config");
+    workload(&source, 450, 1);
+    let out = ok(
+        &trellara(
+            d,
+            &["run", "--config", "trellara.yml", "--local", "--verify"],
+        ),
+        "the sinks reordered",
+    );
+    assert!(
+        out.contains("shop (sink lake) CONVERGED")
+            && out.contains("shop (sink main) CONVERGED")
+            && !out.contains("boundary of its own"),
+        "{major}: {out}"
+    );
+    std::fs::write(&config, &text).expect("config");
 
     // The first sink quarantined while following: the lake goes on.
     first.psql("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (total < 5) NOT VALID");
@@ -3614,7 +3662,7 @@ service:
     wait_until(
         "the lake applied past the first sink's refusal",
         60,
-        &|| lake.psql_value(orders) == "6031",
+        &|| lake.psql_value(orders) == "6032",
     );
     let health = || -> serde_json::Value {
         serde_json::from_str(&http_get(&addr, "/healthz").1).expect("healthz is JSON")
@@ -3624,7 +3672,7 @@ service:
             .as_array()
             .into_iter()
             .flatten()
-            .any(|f| f["dataset_id"] == "shop" && f["state"] == "stopped")
+            .any(|f| f["dataset_id"] == "main" && f["state"] == "stopped")
     });
     let all = health();
     let lake_health = all["flows"]
@@ -3642,7 +3690,7 @@ service:
     );
     assert_eq!(
         first.psql_value(orders),
-        "6027",
+        "6028",
         "{major}: nothing of it applied"
     );
     assert!(

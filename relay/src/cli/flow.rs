@@ -1044,7 +1044,7 @@ fn verify_flows(
         table,
     } = only;
     let mut verdicts = Vec::new();
-    for (index, f) in flows(config, only_flow)? {
+    for (index, f) in with_sink(config, only_flow, only_sink)? {
         if let Some(t) = table
             && !f.tables.iter().any(|x| x == t)
         {
@@ -1486,7 +1486,7 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
     let rt = runtime()?;
     let text = args.format == Format::Text;
     let mut reports = Vec::new();
-    for (index, f) in flows(&config, args.flow.as_deref())? {
+    for (index, f) in with_sink(&config, args.flow.as_deref(), args.sink.as_deref())? {
         // JSON on stdout is the report alone; progress goes to stderr.
         let mut progress = |line: &str| {
             if text {
@@ -1531,6 +1531,38 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
         });
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The flows `--flow` selects; with `--sink`, only those that have a sink
+/// of that name, refused before anything is done when none has.
+fn with_sink<'c>(
+    config: &'c Config,
+    only_flow: Option<&str>,
+    only_sink: Option<&str>,
+) -> anyhow::Result<Vec<(usize, &'c config::Flow)>> {
+    let selected = flows(config, only_flow)?;
+    let Some(name) = only_sink else {
+        return Ok(selected);
+    };
+    let known: Vec<String> = selected
+        .iter()
+        .flat_map(|(_, f)| {
+            f.sinks()
+                .into_iter()
+                .map(|s| format!("{}/{}", f.name, s.name))
+        })
+        .collect();
+    let having: Vec<_> = selected
+        .into_iter()
+        .filter(|(_, f)| f.sinks().iter().any(|s| s.name == name))
+        .collect();
+    if having.is_empty() {
+        anyhow::bail!(
+            "no flow has a sink named {name:?}\nhint: --sink takes a sink's name; the sinks are {}",
+            known.join(", ")
+        );
+    }
+    Ok(having)
 }
 
 /// The flow's sinks `--sink` names (every one without it); an unknown

@@ -179,9 +179,65 @@ pub struct Signals<'a> {
     pub begun: &'a tokio::sync::Notify,
     pub observe: Option<&'a Observer>,
     pub tuning: &'a Tuning,
-    /// Cursors retention may drop past the log's cap: those of a flow's
-    /// sinks after the first ([`super::sinks`]); empty for one sink.
-    pub droppable: &'a [String],
+    /// Cursors retention may drop past the log's cap.
+    pub droppable: &'a Droppable,
+}
+
+/// The cursors retention may drop past the log's cap: those of a flow's
+/// sinks after the first ([`super::sinks`]; none for one sink), but not
+/// while the sink copies at a boundary of its own: its cursor waits at
+/// the boundary then, and the log grows by the changes of the copy's
+/// time, which would drop it again for ever.
+#[derive(Debug, Default)]
+pub struct Droppable {
+    cursors: Vec<String>,
+    copying: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl Droppable {
+    pub fn of(flow: &Flow) -> Self {
+        Droppable {
+            cursors: flow
+                .sinks()
+                .iter()
+                .skip(1)
+                .map(|s| crate::apply::sink_cursor(&flow.name, s.name))
+                .collect(),
+            copying: std::sync::Mutex::default(),
+        }
+    }
+
+    fn copying_now(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.copying
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn may_drop(&self, cursor: &str) -> bool {
+        self.cursors.iter().any(|c| c == cursor) && !self.copying_now().contains(cursor)
+    }
+
+    /// Keeps `cursor` from being dropped until the guard goes.
+    pub fn copying(&self, cursor: &str) -> Copying<'_> {
+        self.copying_now().insert(cursor.to_owned());
+        Copying {
+            of: self,
+            cursor: cursor.to_owned(),
+        }
+    }
+}
+
+/// A sink copying: see [`Droppable::copying`].
+#[derive(Debug)]
+pub struct Copying<'a> {
+    of: &'a Droppable,
+    cursor: String,
+}
+
+impl Drop for Copying<'_> {
+    fn drop(&mut self) {
+        self.of.copying_now().remove(&self.cursor);
+    }
 }
 
 /// Applies the log through `delivery` while capture writes it, and what
@@ -437,7 +493,7 @@ async fn boundary_ready(target: &tokio_postgres::Client, flow: &str) -> Result<b
 /// limit; what a lagging consumer holds is reported, never deleted, unless
 /// it is one of `droppable` (see [`over_cap`]).
 /// A reloaded limit (see [`crate::service::LiveSettings`]) applies here.
-fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>, droppable: &[String]) {
+fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>, droppable: &Droppable) {
     let result = crate::capture::release_source_ack(log).and_then(|()| match observe {
         Some(o) => log.enforce_retention_with(&crate::log::RetentionPolicy {
             max_total_bytes: o.live.retention(),
@@ -448,7 +504,7 @@ fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>, droppable
     match result {
         Ok(report) if !over_cap(log, &report.pressure, droppable).is_empty() => {
             // What the dropped cursors held goes at once.
-            enforce_retention(log, observe, &[]);
+            enforce_retention(log, observe, &Droppable::default());
         }
         Ok(report) => {
             for p in &report.pressure {
@@ -474,10 +530,10 @@ fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>, droppable
 pub fn over_cap(
     log: &Log<FsStorage>,
     pressure: &[crate::log::ConsumerPressure],
-    droppable: &[String],
+    droppable: &Droppable,
 ) -> Vec<String> {
     let mut dropped = Vec::new();
-    for held in pressure.iter().filter(|p| droppable.contains(&p.consumer)) {
+    for held in pressure.iter().filter(|p| droppable.may_drop(&p.consumer)) {
         match log.unregister_consumer(&held.consumer) {
             Ok(()) => {
                 tracing::warn!(cursor = %held.consumer, held_bytes = held.held_bytes, "a sink held the log past its cap (transport.retention_mib): its cursor is dropped, and the sink is copied again at a boundary of its own when it is back");

@@ -26,7 +26,6 @@ use crate::plan::Tuning;
 use crate::role::Role;
 use crate::service::{FlowState, Observer};
 use crate::{snapshot, state};
-use tokio_postgres::Client;
 
 /// What every sink of one round shares.
 #[derive(Debug)]
@@ -36,14 +35,12 @@ pub struct Shared<'a> {
     pub config_path: &'a str,
     pub role: Role,
     pub source_url: &'a str,
-    pub source: &'a Client,
     pub log: &'a Log<FsStorage>,
     pub begun: &'a tokio::sync::Notify,
     pub tuning: &'a Tuning,
     pub follow: bool,
-    /// The cursors of the flow's sinks after the first: past the log's
-    /// cap these are dropped (the sink copies again), never the first's.
-    pub droppable: &'a [String],
+    /// The cursors retention may drop past the log's cap.
+    pub droppable: &'a delivery::Droppable,
 }
 
 /// How one sink's part of a round ended.
@@ -55,15 +52,6 @@ pub struct SinkOutcome {
     pub seeded: Vec<snapshot::SnapshotReport>,
     /// What stopped it, when something did.
     pub error: Option<FlowError>,
-}
-
-/// The cursors of `flow`'s sinks after the first.
-pub fn droppable(flow: &Flow) -> Vec<String> {
-    flow.sinks()
-        .iter()
-        .skip(1)
-        .map(|s| crate::apply::sink_cursor(&flow.name, s.name))
-        .collect()
 }
 
 /// Runs one sink until capture has ended and it applied everything, or
@@ -174,9 +162,12 @@ async fn round(
         });
     }
     // The first sink's target claimed the slot itself.
+    // A source session of its own: its copy runs a snapshot transaction
+    // on it, which another sink's copy or check must not share.
+    let source = connect(shared.source_url, "source").await?;
     gate_sink(
         flow,
-        (shared.source_url, shared.source),
+        (shared.source_url, &source),
         &target,
         shared.config_path,
         !locked,
@@ -197,7 +188,7 @@ async fn round(
             stop,
             follow: shared.follow,
         };
-        let start = joins_and_leaves(joining, shared.source, &target, &health, &mut |line| {
+        let start = joins_and_leaves(joining, &source, &target, &health, &mut |line| {
             say(line);
         })
         .await?;
@@ -207,11 +198,13 @@ async fn round(
     } else {
         health(FlowState::Snapshotting);
         // Before the boundary: everything after it is past this cursor.
+        // Held against the cap while it copies: the log grows meanwhile.
+        let _copying = shared.droppable.copying(&cursor);
         shared.log.register_consumer_at_end(&cursor)?;
         match snapshot::seed_sink(
             flow,
             shared.source_url,
-            shared.source,
+            &source,
             &target,
             &mut |line| say(line),
             stop,
@@ -261,7 +254,7 @@ async fn round(
     crate::apply::accumulate(&mut outcome.applied, applied?);
     // pgoutput carries no sequences: a cutover to this sink must not
     // reuse a key either.
-    if let Err(e) = crate::sequences::bring_forward(flow, shared.source, applier.client()).await {
+    if let Err(e) = crate::sequences::bring_forward(flow, &source, applier.client()).await {
         say(&format!(
             "warning: the flow's sequences were not brought forward on this sink: {}",
             crate::errors::chain_of(&e)
