@@ -510,11 +510,7 @@ async fn copy_at_own_boundary(
         let create = repl.create_temporary_slot(&name);
         slot_created(create, &name, source, pid, io.stop.clone()).await?
     };
-    let snapshot = created.snapshot_name.ok_or_else(|| SnapshotError::Table {
-        table: "-".into(),
-        problem: "the server exported no snapshot".into(),
-        hint: "the slot must be created outside a transaction on a primary".into(),
-    })?;
+    let snapshot = created.snapshot_name.ok_or_else(no_snapshot)?;
     let boundary = created.consistent_point;
     io.boundary = Some(boundary);
     progress(&format!(
@@ -535,6 +531,15 @@ async fn copy_at_own_boundary(
     // The exported snapshot and the temporary slot end with the session.
     drop(repl);
     Ok(boundary)
+}
+
+/// A slot created without the snapshot it was asked to export.
+fn no_snapshot() -> SnapshotError {
+    SnapshotError::Table {
+        table: "-".into(),
+        problem: "the server exported no snapshot".into(),
+        hint: "the slot must be created outside a transaction on a primary".into(),
+    }
 }
 
 fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), SnapshotError> {
@@ -816,11 +821,7 @@ impl PgSnapshot<'_> {
             let create = repl.create_temporary_slot(&name);
             slot_created(create, &name, self.source, pid, self.stop.clone()).await?
         };
-        let snapshot = created.snapshot_name.ok_or_else(|| SnapshotError::Table {
-            table: "-".into(),
-            problem: "the server exported no snapshot".into(),
-            hint: "the slot must be created outside a transaction on a primary".into(),
-        })?;
+        let snapshot = created.snapshot_name.ok_or_else(no_snapshot)?;
         self.repl = Some(repl);
         Ok((
             Slot {
@@ -1024,14 +1025,7 @@ impl SnapshotIo for PgSnapshot<'_> {
             slot_created(create, &name, self.source, pid, self.stop.clone()).await?
         };
         self.created_slot = true;
-        let snapshot = created
-            .snapshot_name
-            .clone()
-            .ok_or_else(|| SnapshotError::Table {
-                table: "-".into(),
-                problem: "the server exported no snapshot".into(),
-                hint: "the slot must be created outside a transaction on a primary".into(),
-            })?;
+        let snapshot = created.snapshot_name.clone().ok_or_else(no_snapshot)?;
         // The exported snapshot lives while this session stays idle.
         self.repl = Some(repl);
         Ok((
