@@ -1491,16 +1491,28 @@ async fn ensure_boundary(
     } = boundary;
     let current = snapshot::load(target, &flow.name).await?;
     let mut needs = snapshot::needs_snapshot(current.as_ref().map(|r| r.state));
-    // Of several sinks, the first one's cursor gone from a log that has
-    // records (dropped, or the sinks reordered): it cannot resume.
-    let first_lost = flow.sinks().len() > 1 && first_cursor_lost(flow, log_dir)?;
-    if (needs || first_lost) && keeps_slot(flow, source, target, log_dir).await? {
+    // Of several sinks, the log the others read, opened once to judge the
+    // first sink's copy by (and to place its cursor).
+    let shared_log = if flow.sinks().len() > 1 && log_dir.exists() {
+        Some(Log::open(FsStorage::new(), log_dir, LogConfig::default())?.0)
+    } else {
+        None
+    };
+    let first = crate::apply::first_cursor(flow);
+    // The first sink's cursor gone from a log that has records (dropped,
+    // or the sinks reordered): it cannot resume.
+    let first_lost = shared_log
+        .as_ref()
+        .is_some_and(|log| log.next_offset() > 0 && log.cursor(&first).is_none());
+    if (needs || first_lost)
+        && let Some(log) = &shared_log
+        && keeps_slot(flow, source, target, log).await?
+    {
         // One sink of several is copied again: the others stream on from
         // the flow's slot and log, so neither is replaced. Its cursor is
         // at the log's end before the boundary is taken.
-        let (log, _) = Log::open(FsStorage::new(), log_dir, LogConfig::default())?;
-        log.register_consumer_at_end(&crate::apply::first_cursor(flow))?;
-        drop(log);
+        log.register_consumer_at_end(&first)?;
+        drop(shared_log);
         health(FlowState::Snapshotting);
         progress(&format!(
             "snapshot: sink {} is copied again at a boundary of its own; the flow's slot and log stay for its other sinks",
@@ -1515,6 +1527,8 @@ async fn ensure_boundary(
             Err(e) => Err(e.into()),
         };
     }
+    // Closed before the round opens it, or removes it below.
+    drop(shared_log);
     needs |= first_lost;
     if needs {
         // A new boundary means a new stream: the old log cannot be applied
@@ -1580,19 +1594,9 @@ fn forget_removed_sinks(flow: &Flow, log: &Log<FsStorage>, progress: &mut dyn Fn
     }
 }
 
-/// Whether the first of several sinks has no cursor in a log that holds
-/// records.
-fn first_cursor_lost(flow: &Flow, log_dir: &Path) -> Result<bool, FlowError> {
-    if !log_dir.exists() {
-        return Ok(false);
-    }
-    let (log, _) = Log::open(FsStorage::new(), log_dir, LogConfig::default())?;
-    Ok(log.next_offset() > 0 && log.cursor(&crate::apply::first_cursor(flow)).is_none())
-}
-
 /// Whether a flow of several sinks can copy its first sink again without
-/// a new slot, so the other sinks' positions in the log hold: the log is
-/// here (its owner was checked under the log's lock), the slot is on the
+/// a new slot, so the other sinks' positions in `log` hold: the log's
+/// owner was checked under its lock, the slot is on the
 /// source, not invalidated and confirmed no further than the log has
 /// acknowledged, and no stop (a schema drift, a lost slot) waits on the
 /// first target. Anything else needs a new stream for every sink.
@@ -1600,18 +1604,14 @@ async fn keeps_slot(
     flow: &Flow,
     source: &Client,
     target: &Client,
-    log_dir: &Path,
+    log: &Log<FsStorage>,
 ) -> Result<bool, FlowError> {
-    if flow.sinks().len() < 2
-        || !log_dir.exists()
-        || state::stop(target, &flow.name).await?.is_some()
-    {
+    if state::stop(target, &flow.name).await?.is_some() {
         return Ok(false);
     }
-    let (log, _) = Log::open(FsStorage::new(), log_dir, LogConfig::default())?;
     // What capture resumes from: the last whole transaction's end, or an
     // idle advance recorded past it.
-    let acked = crate::capture::read_resume(&log)?.ack_lsn;
+    let acked = crate::capture::read_resume(log)?.ack_lsn;
     if !acked.is_valid() {
         return Ok(false);
     }

@@ -3591,8 +3591,7 @@ service:
     );
     assert!(
         reseeded.contains("the flow's slot and log stay for its other sinks")
-            && !reseeded.contains("slot trellara_shop created")
-            && !reseeded.contains("copied at a boundary of its own"),
+            && !reseeded.contains("slot trellara_shop created"),
         "{major}: {reseeded}"
     );
     assert!(

@@ -633,26 +633,23 @@ impl<S: Storage> Log<S> {
     /// Registers `consumer` (durably) starting at the oldest retained
     /// offset, or returns its position if it is already registered.
     pub fn register_consumer(&self, consumer: &str) -> Result<CursorPosition, Error> {
-        cursor::validate_name(consumer)?;
-        let mut cursors = relock(&self.shared.cursors);
-        if let Some(position) = cursors.get(consumer) {
-            return Ok(position);
-        }
-        let position = CursorPosition::start_at(self.shared.first_offset());
-        cursors.persist(consumer, position)?;
-        Ok(position)
+        self.register_at(consumer, self.shared.first_offset())
     }
 
     /// Registers `consumer` at the end of what is durable now (an existing
     /// cursor stays where it is): a sink about to take a boundary of its
     /// own, whose transactions all come after this point.
     pub fn register_consumer_at_end(&self, consumer: &str) -> Result<CursorPosition, Error> {
+        self.register_at(consumer, self.shared.durable_next())
+    }
+
+    fn register_at(&self, consumer: &str, offset: u64) -> Result<CursorPosition, Error> {
         cursor::validate_name(consumer)?;
         let mut cursors = relock(&self.shared.cursors);
         if let Some(position) = cursors.get(consumer) {
             return Ok(position);
         }
-        let position = CursorPosition::start_at(self.shared.durable_next());
+        let position = CursorPosition::start_at(offset);
         cursors.persist(consumer, position)?;
         Ok(position)
     }
