@@ -94,9 +94,9 @@ pub enum FlowError {
     )]
     LockLost { flow: String },
     #[error(
-        "flow {flow} has transport: local, and only a Kafka transport splits a flow into `trellara relay` and `trellara apply` services; nothing was started\nhint: run both parts in one process with `trellara run --config CONFIG --flow {flow} --follow`, or give the flow transport: kafka"
+        "flow {flow} has several sinks, and only a flow of one sink splits into `trellara relay` and `trellara apply` services; nothing was started\nhint: run the flow in one process with `trellara run --config CONFIG --flow {flow} --follow`"
     )]
-    SplitNeedsKafka { flow: String },
+    SplitNeedsOneSink { flow: String },
     #[error("log directory {path}")]
     LogDir {
         path: String,
@@ -120,7 +120,11 @@ impl FlowError {
                     .is_some_and(|d| trellara_common::retry::transient(d.code().code()))
         }
         match self {
-            FlowError::Connect(ConnectError::Timeout { .. }) | FlowError::LockLost { .. } => true,
+            FlowError::Connect(ConnectError::Timeout { .. })
+            | FlowError::LockLost { .. }
+            // The relay replaced the log the apply role followed (a
+            // reseed): the next round follows the new one.
+            | FlowError::Log(crate::log::Error::Replaced { .. }) => true,
             FlowError::Connect(ConnectError::Session { source, .. })
             | FlowError::Target(source) => unreachable(source),
             FlowError::Apply(ApplyError::Target(crate::apply::TargetError::Postgres(e))) => {
@@ -259,15 +263,11 @@ pub async fn follow(
         ..RunReport::default()
     };
     let mut delay = TUNING.retry_first;
-    if role != Role::Both && !matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
-        return Err(FlowError::SplitNeedsKafka {
-            flow: flow.name.clone(),
-        });
-    }
+    check_split(flow, role)?;
     // Held across rounds, so nothing (a teardown, another run) takes the
     // log while this process waits to follow again, even before its
-    // target was ever reached. The apply role has no log: it reads the
-    // topic.
+    // target was ever reached. The apply role does not write the log: it
+    // reads the topic, or follows the log its relay writes.
     let held = hold_log(flow, role)?;
     // The target lock too, on a session of its own: a round that fails
     // leaves it held for the next.
@@ -380,6 +380,18 @@ pub async fn follow(
             }
         }
     }
+}
+
+/// A flow splits into relay and apply services when it has one sink:
+/// over Kafka, or over its local log, which the apply service follows on
+/// the relay's host ([`crate::log::Log::follow`]).
+pub fn check_split(flow: &Flow, role: Role) -> Result<(), FlowError> {
+    if role != Role::Both && flow.sinks().len() > 1 {
+        return Err(FlowError::SplitNeedsOneSink {
+            flow: flow.name.clone(),
+        });
+    }
+    Ok(())
 }
 
 /// The log's lock for a capturing role, held across [`follow`]'s rounds
@@ -888,7 +900,12 @@ async fn run_round<W: Watch>(
     } else {
         checkpoint_floor(&target, &flow.name).await?
     };
-    if several && log.next_offset() == 0 {
+    // The relay role of a local log keeps what its apply service, in
+    // another process, has not applied: its cursor is there before the
+    // first record (an existing one stays).
+    let followed =
+        role == Role::Relay && matches!(flow.transport, crate::config::Transport::Local { .. });
+    if (several && log.next_offset() == 0) || followed {
         log.register_consumer(&crate::apply::first_cursor(flow))?;
     }
     forget_removed_sinks(flow, &log, progress);
@@ -1144,10 +1161,13 @@ async fn open_stage(
     progress: &mut dyn FnMut(&str),
 ) -> Result<Stage, FlowError> {
     Ok(if role == Role::Relay {
-        Stage::Publish {
-            publisher: delivery::open_publisher(flow, progress).await?,
-            target,
-        }
+        let publisher = match flow.transport {
+            crate::config::Transport::Kafka { .. } => {
+                Some(delivery::open_publisher(flow, progress).await?)
+            }
+            crate::config::Transport::Local { .. } => None,
+        };
+        Stage::Publish { publisher, target }
     } else {
         let delivery = Delivery::open(flow, progress).await?;
         // Applying is data work: a row lock held by a target reader is
@@ -1261,10 +1281,11 @@ enum Stage {
         applier: Box<Applier>,
         delivery: Delivery,
     },
-    /// Only publishes it to the flow's topic (the relay role); the target
-    /// session stays for the round's bookkeeping.
+    /// The relay role: publishes it to the flow's topic, or (a local log
+    /// its apply service follows) only keeps it; the target session stays
+    /// for the round's bookkeeping.
     Publish {
-        publisher: Publisher,
+        publisher: Option<Publisher>,
         target: Client,
     },
 }
@@ -1286,7 +1307,7 @@ impl Stage {
                 applier.close_opened().await;
                 Ok(result?)
             }
-            Stage::Publish { publisher, .. } => Ok(publish_stage(publisher, log, signals)
+            Stage::Publish { publisher, .. } => Ok(publish_stage(publisher.as_ref(), log, signals)
                 .await
                 .map(|()| ApplyStats::default())?),
         }
@@ -1417,10 +1438,16 @@ async fn wrap_up(
             )),
         }
     }
-    if let (Role::Relay, crate::config::Transport::Kafka { topic, .. }) = (role, &flow.transport) {
+    if role == Role::Relay {
         // The relay role applies nothing: the apply service does.
+        let kept = match &flow.transport {
+            crate::config::Transport::Kafka { topic, .. } => format!("published to topic {topic}"),
+            crate::config::Transport::Local { log_dir, .. } => {
+                format!("kept in the log {}", log_dir.display())
+            }
+        };
         progress(&format!(
-            "captured {} transactions; published to topic {topic} for the apply service",
+            "captured {} transactions; {kept} for the apply service",
             report.envelopes_captured
         ));
         return Ok(());

@@ -458,12 +458,12 @@ fn the_systemd_units_run_command_lines_the_binary_accepts() {
 }
 
 #[test]
-fn a_local_log_flow_is_not_split_into_relay_and_apply_services() {
+fn a_flow_of_several_sinks_is_not_split_into_relay_and_apply_services() {
     // Unreachable databases: the refusal comes before anything connects.
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(
         dir.path().join("local.yml"),
-        "schema_version: 2\nenvironment: evaluation\nflows:\n  - name: shop\n    source: {url: postgresql://u@127.0.0.1:1/db}\n    target: {url: postgresql://u@127.0.0.1:1/t}\n    tables: [public.orders]\n    transport:\n      kind: local\n      log_dir: ./.trellara/shop\nservice:\n  relay_listen: 127.0.0.1:0\n  apply_listen: 127.0.0.1:0\n",
+        "schema_version: 2\nenvironment: evaluation\nflows:\n  - name: shop\n    source: {url: postgresql://u@127.0.0.1:1/db}\n    sinks:\n      - {name: shop, target: {url: postgresql://u@127.0.0.1:1/t}}\n      - {name: lake, target: {url: postgresql://u@127.0.0.1:1/l}}\n    tables: [public.orders]\n    transport:\n      kind: local\n      log_dir: ./.trellara/shop\nservice:\n  relay_listen: 127.0.0.1:0\n  apply_listen: 127.0.0.1:0\n",
     )
     .expect("config");
     for command in ["relay", "apply"] {
@@ -471,7 +471,7 @@ fn a_local_log_flow_is_not_split_into_relay_and_apply_services() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "{command}: {err}");
         assert!(
-            err.contains("flow shop has transport: local")
+            err.contains("flow shop has several sinks")
                 && err.contains("trellara run --config CONFIG --flow shop --follow"),
             "{command}: {err}"
         );

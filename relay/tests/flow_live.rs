@@ -2791,35 +2791,41 @@ fn a_kafka_flow_runs_as_separate_relay_and_apply_services() {
     let Some(broker) = trellara_tests::Broker::start() else {
         return;
     };
-    on_every_major(|major| split_services_on(major, &broker));
+    on_every_major(|major| split_services_on(major, Some(&broker)));
 }
 
-/// `trellara relay` (capture -> log -> topic) and `trellara apply` (topic
-/// -> target) as two processes of one Kafka flow: each serves its own
-/// endpoints and only its own series (promtool-checked, counted against
-/// the target), a second of either and a `run` beside them are refused by
-/// their target locks, and SIGTERM drains both to a verified target.
-fn split_services_on(major: Major, broker: &trellara_tests::Broker) {
+#[test]
+fn a_local_flow_runs_as_separate_relay_and_apply_services() {
+    on_every_major(|major| split_services_on(major, None));
+}
+
+/// `trellara relay` (capture -> log [-> topic]) and `trellara apply`
+/// (topic, or the relay's local log on this host -> target) as two
+/// processes of one flow: each serves its own endpoints and only its own
+/// series (promtool-checked, counted against the target), a second of
+/// either and a `run` beside them are refused by their target locks, and
+/// SIGTERM drains both to a verified target. Over the local log, either
+/// process killed (-9) and started again goes on where it was.
+fn split_services_on(major: Major, broker: Option<&trellara_tests::Broker>) {
     let Some(p) = pair(major) else {
         return;
     };
     let d = p.dir.path();
     let config = std::fs::read_to_string(d.join("trellara.yml")).expect("config");
     let topic = format!("trellara-split-{}", major.number());
-    let kafka = config
-        .replace(
-            "    kind: local\n",
-            &format!(
-                "    kind: kafka\n    brokers: {}\n    topic: {topic}\n",
-                broker.bootstrap()
-            ),
-        )
-        .replace(
-            "  relay_listen: 127.0.0.1:0\n",
-            "  relay_listen: 127.0.0.1:0\n  apply_listen: 127.0.0.1:0\n",
-        );
-    assert!(kafka.contains("kind: kafka") && kafka.contains("apply_listen"));
-    std::fs::write(d.join("trellara.yml"), kafka).expect("write");
+    let transport = match broker {
+        Some(broker) => format!(
+            "    kind: kafka\n    brokers: {}\n    topic: {topic}\n",
+            broker.bootstrap()
+        ),
+        None => "    kind: local\n".to_owned(),
+    };
+    let split = config.replace("    kind: local\n", &transport).replace(
+        "  relay_listen: 127.0.0.1:0\n",
+        "  relay_listen: 127.0.0.1:0\n  apply_listen: 127.0.0.1:0\n",
+    );
+    assert!(split.contains(&transport) && split.contains("apply_listen"));
+    std::fs::write(d.join("trellara.yml"), split).expect("write");
     workload(&p.source, 1, 5);
     let wait_until = |what: &str, ok: &dyn Fn() -> bool| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
@@ -2833,14 +2839,14 @@ fn split_services_on(major: Major, broker: &trellara_tests::Broker) {
     };
     // The applier first: it waits, not ready, until the relay has made
     // the target ready.
-    let (mut apply, apply_addr, apply_err) =
+    let (mut apply, mut apply_addr, mut apply_err) =
         spawn_service(d, &["apply", "--config", "trellara.yml"]);
     assert_eq!(http_get(&apply_addr, "/livez").0, 200);
     wait_until("the applier says it waits", &|| {
         apply_err.lock().unwrap().contains("waiting for the relay")
     });
     assert_eq!(http_get(&apply_addr, "/readyz").0, 503);
-    let (mut relay, relay_addr, relay_err) =
+    let (mut relay, mut relay_addr, mut relay_err) =
         spawn_service(d, &["relay", "--config", "trellara.yml"]);
     assert_ne!(relay_addr, apply_addr);
     wait_until("both ready", &|| {
@@ -2849,7 +2855,7 @@ fn split_services_on(major: Major, broker: &trellara_tests::Broker) {
     let orders = "SELECT count(*) FROM public.orders";
     assert_eq!(p.target.psql_value(orders), "5", "{major}: the snapshot");
     workload(&p.source, 100, 12);
-    wait_until("applied through the topic", &|| {
+    wait_until("applied through the topic or log", &|| {
         p.target.psql_value(orders) == "17"
     });
     // The gauges are read every 2 s: let a read happen after the last write.
@@ -2926,10 +2932,43 @@ fn split_services_on(major: Major, broker: &trellara_tests::Broker) {
             "{major} {args:?}: {err}"
         );
     }
+    if broker.is_none() {
+        // The apply service killed mid-stream: started again, it resumes
+        // from its own cursor in the relay's log.
+        workload(&p.source, 300, 40);
+        apply.kill().expect("kill -9 apply");
+        apply.wait().expect("reap");
+        workload(&p.source, 400, 10);
+        let (again, again_addr, again_err) =
+            spawn_service(d, &["apply", "--config", "trellara.yml"]);
+        (apply, apply_addr, apply_err) = (again, again_addr, again_err);
+        wait_until("applied after the apply service's kill", &|| {
+            p.target.psql_value(orders) == "67"
+        });
+        // The relay killed: the apply service follows the log it reopens.
+        relay.kill().expect("kill -9 relay");
+        relay.wait().expect("reap");
+        workload(&p.source, 500, 10);
+        let (again, again_addr, again_err) =
+            spawn_service(d, &["relay", "--config", "trellara.yml"]);
+        (relay, relay_addr, relay_err) = (again, again_addr, again_err);
+        wait_until("applied after the relay's kill", &|| {
+            p.target.psql_value(orders) == "77"
+        });
+        wait_until("both ready again", &|| {
+            http_get(&relay_addr, "/readyz").0 == 200 && http_get(&apply_addr, "/readyz").0 == 200
+        });
+        let apply_text = apply_err.lock().unwrap().clone();
+        assert!(
+            apply_text.contains("apply: following the log") && !apply_text.contains("replaced"),
+            "{major}: {apply_text}"
+        );
+    }
     // SIGTERM drains both.
+    let before = p.target.psql_value(orders).parse::<i64>().expect("a count");
     workload(&p.source, 200, 3);
     wait_until("applied before the stop", &|| {
-        p.target.psql_value(orders) == "20"
+        p.target.psql_value(orders) == (before + 3).to_string()
     });
     let relay_status = terminate(&mut relay);
     let apply_status = terminate(&mut apply);
@@ -2941,8 +2980,13 @@ fn split_services_on(major: Major, broker: &trellara_tests::Broker) {
     // The relay's closing line counts what it captured and published; it
     // applied nothing, and says so.
     let relay_text = relay_err.lock().unwrap().clone();
+    let kept = if broker.is_some() {
+        "published to topic"
+    } else {
+        "kept in the log"
+    };
     assert!(
-        relay_text.contains("published to topic") && !relay_text.contains("; applied 0 ("),
+        relay_text.contains(kept) && !relay_text.contains("; applied 0 ("),
         "{major}: {relay_text}"
     );
     assert!(

@@ -820,43 +820,67 @@ fn run_with_native_capture_converges() {
     });
 }
 
-/// `trellara relay --config` serves a native flow (the socket is
-/// `<log_dir>.sock` next to the flow's log) only after preflight's checks;
-/// an external flow is refused with the reason.
+/// `trellara relay --config` is the relay service of the flow on either
+/// capture path: it serves its endpoints, is not ready while the source
+/// cannot be reached (and says it follows again), makes no log before
+/// preflight's checks passed, and SIGTERM ends it cleanly.
 #[test]
 fn relay_config_mode_uses_the_flow() {
+    use std::io::BufRead;
     let dir = tempfile::tempdir().expect("tempdir");
     let open = dir.path().join("open");
     std::fs::create_dir(&open).expect("mkdir");
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
     let config = |capture: &str| {
         format!(
-            "schema_version: 2\nflows:\n  - name: shop\n    source:\n      url: postgresql://u@127.0.0.1:1/db\n    target:\n      url: postgresql://u@127.0.0.1:2/db\n    tables: [public.orders]\n    capture: {capture}\n    transport:\n      kind: local\n      log_dir: ./open/log\n"
+            "schema_version: 2\nflows:\n  - name: shop\n    source:\n      url: postgresql://u@127.0.0.1:1/db\n    target:\n      url: postgresql://u@127.0.0.1:2/db\n    tables: [public.orders]\n    capture: {capture}\n    transport:\n      kind: local\n      log_dir: ./open/log\nservice:\n  relay_listen: 127.0.0.1:0\n"
         )
     };
-    let run = |capture: &str| {
+    for capture in ["native", "external"] {
         std::fs::write(dir.path().join("trellara.yml"), config(capture)).expect("write");
-        let out = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
             .current_dir(dir.path())
             .args(["relay", "--config", "trellara.yml"])
-            .output()
-            .expect("run");
-        assert!(!out.status.success());
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
-    // Preflight's checks come first: an unreachable source refuses the
-    // flow before any socket or log is made.
-    let native = run("native");
-    assert!(
-        native.contains("connect to the source database") && !dir.path().join("open/log").exists(),
-        "{native}"
-    );
-    let external = run("external");
-    assert!(
-        external.contains("flow shop has transport: local")
-            && external.contains("trellara run --config CONFIG --flow shop --follow"),
-        "{external}"
-    );
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("relay");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().expect("stderr");
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                let _ = tx.send(line);
+            }
+        });
+        let mut seen = String::new();
+        let mut addr = None;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !(addr.is_some() && seen.contains("following again in")) {
+            let line = rx
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .unwrap_or_else(|_| panic!("{capture}: no retry said:\n{seen}"));
+            if let Some(rest) = line.split("service: serving http://").nth(1) {
+                addr = rest.split('/').next().map(str::to_owned);
+            }
+            seen.push_str(&line);
+            seen.push('\n');
+        }
+        let addr = addr.expect("an address");
+        assert_eq!(http_get(&addr, "/livez").0, 200, "{capture}");
+        assert_eq!(http_get(&addr, "/readyz").0, 503, "{capture}");
+        assert!(seen.contains("connect to the"), "{capture}: {seen}");
+        assert!(!dir.path().join("open/log").exists(), "{capture}: a log");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .expect("sigterm");
+        let status = child.wait().expect("reap");
+        assert!(status.success(), "{capture}: {status}\n{seen}");
+    }
 }
 
 /// The relay's side of the socket, driven by a test client with the

@@ -558,10 +558,6 @@ impl Prepared {
         })
     }
 
-    pub fn flow(&self) -> &Flow {
-        &self.config.flows[self.index]
-    }
-
     /// Plays `role` of the flow until SIGTERM or Ctrl-C, serving its
     /// endpoints; what it did is said at the end.
     pub fn serve(self, role: Role) -> anyhow::Result<ExitCode> {
@@ -573,12 +569,7 @@ impl Prepared {
             config_path,
         } = self;
         let flow = &config.flows[index];
-        if role != Role::Both && !matches!(flow.transport, config::Transport::Kafka { .. }) {
-            return Err(flow::FlowError::SplitNeedsKafka {
-                flow: flow.name.clone(),
-            }
-            .into());
-        }
+        flow::check_split(flow, role)?;
         let mut progress = |line: &str| errln!("[{}] {line}", flow.name);
         let observe = rt.block_on(serve_endpoints(
             &config,

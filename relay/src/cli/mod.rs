@@ -182,7 +182,7 @@ pub fn exit_status(err: &anyhow::Error, otherwise: u8) -> u8 {
             Some(
                 crate::flow::FlowError::Blocked { .. }
                     | crate::flow::FlowError::Busy { .. }
-                    | crate::flow::FlowError::SplitNeedsKafka { .. }
+                    | crate::flow::FlowError::SplitNeedsOneSink { .. }
             )
         )
     });

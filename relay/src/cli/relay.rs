@@ -70,20 +70,10 @@ pub struct RelayArgs {
 pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.config {
         let prepared = super::flow::Prepared::new(path, args.flow.as_deref())?;
-        let flow = prepared.flow();
-        // A Kafka flow's relay is the capture role as a service (capture,
-        // log, topic); a native flow on a local log only serves the
-        // worker's socket into the log.
-        if matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
-            return prepared.serve(crate::service::Role::Relay);
-        }
-        if flow.capture != crate::config::CapturePath::Native {
-            return Err(crate::flow::FlowError::SplitNeedsKafka {
-                flow: flow.name.clone(),
-            }
-            .into());
-        }
-        return serve_native_flow(&prepared.rt, flow, prepared.index, path);
+        // The capture role as a service: capture into the log, and
+        // forward it to the topic of a Kafka flow; the apply service
+        // reads the topic, or follows the local log on this host.
+        return prepared.serve(crate::service::Role::Relay);
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -147,50 +137,6 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         stats.reconnects
     );
     Ok(ExitCode::SUCCESS)
-}
-
-/// `relay --config` for a native flow on a local log: preflight's checks,
-/// then the worker's socket into the flow's log.
-fn serve_native_flow(
-    runtime: &tokio::runtime::Runtime,
-    flow: &crate::config::Flow,
-    index: usize,
-    path: &std::path::Path,
-) -> anyhow::Result<ExitCode> {
-    let log_dir = flow
-        .log_dir()
-        .ok_or_else(|| anyhow::anyhow!("flow {} has no local log_dir", flow.name))?;
-    let log_dir = std::path::absolute(log_dir).context("resolve log_dir")?;
-    // Preflight's checks first: the worker on the source only starts
-    // once a run or the operator sets it up, but nothing is served for
-    // a flow they would refuse.
-    let owner = runtime.block_on(async {
-        let (source_url, target_url) = crate::flow::urls(flow, index)?;
-        let source = crate::flow::connect(&source_url, "source").await?;
-        let target = crate::flow::connect(&target_url, "target").await?;
-        crate::flow::gate(
-            flow,
-            &source_url,
-            &source,
-            &target,
-            &path.display().to_string(),
-            &mut |line| errln!("[{}] {line}", flow.name),
-        )
-        .await?;
-        Ok::<_, crate::flow::FlowError>(crate::identity::LogOwner::of(flow, &source).await?)
-    })?;
-    let config = NativeConfig {
-        socket_path: log_dir.with_extension("sock"),
-        log_dir,
-        source_id: flow.source_id(),
-        max_envelope_bytes: 256 << 20,
-        progress: None,
-        begun: None,
-        observe: None,
-        floor: trellara_common::Lsn::ZERO,
-        owner: Some(owner),
-    };
-    serve_native(runtime, config)
 }
 
 /// Serves the native socket until SIGTERM or Ctrl-C, then says what it did.

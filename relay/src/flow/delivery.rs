@@ -58,9 +58,7 @@ pub async fn open_publisher(
 ) -> Result<Publisher, FlowError> {
     let target = ready_topic(flow, progress)
         .await?
-        .ok_or_else(|| FlowError::SplitNeedsKafka {
-            flow: flow.name.clone(),
-        })?;
+        .ok_or_else(|| FlowError::Unsupported(flow.name.clone()))?;
     Ok(Publisher::new(target, &flow.name).map_err(ApplyError::from)?)
 }
 
@@ -315,7 +313,7 @@ pub async fn apply_stage(
 /// 0 after each pass that reached the log's end: a publisher stuck on its
 /// broker ages into lag on /readyz.
 pub async fn publish_stage(
-    publisher: &Publisher,
+    publisher: Option<&Publisher>,
     log: &Log<FsStorage>,
     signals: Signals<'_>,
 ) -> Result<(), ApplyError> {
@@ -331,7 +329,9 @@ pub async fn publish_stage(
     loop {
         let seen = log.next_offset();
         let finished = *captured.borrow();
-        publisher.publish(log).await?;
+        if let Some(publisher) = publisher {
+            publisher.publish(log).await?;
+        }
         if let Some(o) = observe {
             o.health.lag(0.0);
         }
@@ -354,14 +354,98 @@ pub async fn publish_stage(
 /// made ready yet.
 const READY_POLL: Duration = Duration::from_secs(1);
 
+/// What the apply role reads: the flow's topic, or the local log its
+/// relay writes in another process on this host.
+enum Followed {
+    Topic(Feed),
+    Log(Log<FsStorage>),
+}
+
+impl Followed {
+    async fn apply(&self, applier: &mut Applier) -> Result<ApplyStats, ApplyError> {
+        match self {
+            Followed::Topic(feed) => applier.apply_log_with(feed, &crate::crash::NoCrash).await,
+            Followed::Log(log) => {
+                log.refresh().map_err(TransportError::from)?;
+                applier.apply_log_with(log, &crate::crash::NoCrash).await
+            }
+        }
+    }
+
+    async fn persist(&self, applier: &mut Applier) -> Result<(), ApplyError> {
+        match self {
+            Followed::Topic(feed) => applier.persist_cursor(feed).await,
+            Followed::Log(log) => applier.persist_cursor(log).await,
+        }
+    }
+
+    /// Idle: a topic read waited already; the log is looked at until its
+    /// relay makes more durable, for up to `patience`.
+    async fn wait(&self, patience: Duration) -> Result<(), ApplyError> {
+        if let Followed::Log(log) = self {
+            let end = log.written_end();
+            log.follow_past(end, patience, crate::transport::FOLLOW_POLL)
+                .await
+                .map_err(TransportError::from)?;
+        }
+        Ok(())
+    }
+
+    /// Where it reads, for messages.
+    fn describe(&self, flow: &Flow) -> String {
+        match (self, &flow.transport) {
+            (Followed::Topic(_), Transport::Kafka { topic, .. }) => format!("topic {topic}"),
+            _ => format!(
+                "the log {}",
+                flow.log_dir()
+                    .map_or_else(String::new, |d| d.display().to_string())
+            ),
+        }
+    }
+}
+
+/// The local log of the flow, once its relay has opened it and placed
+/// this sink's cursor there; None when `stop` came first.
+async fn follow_log(
+    flow: &Flow,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Option<Log<FsStorage>>, FlowError> {
+    let dir = flow.log_dir().ok_or_else(|| FlowError::SplitNeedsOneSink {
+        flow: flow.name.clone(),
+    })?;
+    let cursor = crate::apply::first_cursor(flow);
+    let mut said = false;
+    loop {
+        match Log::follow(dir, crate::log::LogConfig::default()) {
+            Ok(log) if log.cursor(&cursor).is_some() => return Ok(Some(log)),
+            Ok(_) | Err(crate::log::Error::NotWritten { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        if !said {
+            progress(&format!(
+                "apply: waiting for the relay to open the log {} (on this host)",
+                dir.display()
+            ));
+            said = true;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(READY_POLL) => {}
+            _ = stop.wait_for(|s| *s) => return Ok(None),
+        }
+    }
+}
+
 /// The apply role (`trellara apply`): one round that applies the flow's
-/// topic to its target until `shutdown`, from the target's checkpoint. It
-/// needs only the target and the broker: the relay role owns the source,
-/// the log, the snapshot and the target's `trellara` schema, so this waits
-/// until the relay has a boundary ready. A relay that snapshots again
-/// later is safe beside it: each transaction locks the checkpoint row, and
-/// what the topic still holds from before the new boundary is skipped as
-/// applied.
+/// topic, or the local log its relay writes on this host, to its target
+/// until `shutdown`, from the target's checkpoint. It needs only the
+/// target and the topic or log: the relay role owns the source, the log,
+/// the snapshot and the target's `trellara` schema, so this waits until
+/// the relay has a boundary ready. A relay that snapshots again later is
+/// safe beside it: each transaction locks the checkpoint row, and what
+/// the topic or the old log still holds from before the new boundary is
+/// skipped as applied; a log the relay replaced ends the round
+/// ([`crate::log::Error::Replaced`]) and the next follows the new one.
 pub async fn apply_round(
     flow: &Flow,
     (index, config_path): (usize, &str),
@@ -405,12 +489,15 @@ pub async fn apply_round(
             _ = stop.wait_for(|s| *s) => return Ok(report),
         }
     }
-    let topic = ready_topic(flow, progress)
-        .await?
-        .ok_or_else(|| FlowError::SplitNeedsKafka {
-            flow: flow.name.clone(),
-        })?;
-    let feed = Feed::new(topic, &crate::apply::first_cursor(flow)).map_err(ApplyError::from)?;
+    let followed = match ready_topic(flow, progress).await? {
+        Some(topic) => Followed::Topic(
+            Feed::new(topic, &crate::apply::first_cursor(flow)).map_err(ApplyError::from)?,
+        ),
+        None => match follow_log(flow, &mut stop, progress).await? {
+            Some(log) => Followed::Log(log),
+            None => return Ok(report),
+        },
+    };
     target
         .batch_execute("SET statement_timeout = 0")
         .await
@@ -419,13 +506,18 @@ pub async fn apply_round(
     let mut applier = Applier::new(target, &flow.name, &flow.source_id(), config_path)
         .with_patience(tuning.chunk_patience)
         .with_cursor_every(tuning.cursor_every);
+    if matches!(followed, Followed::Log(_)) {
+        // The relay placed it: a missing one is an error, never a start
+        // from the log's beginning.
+        applier = applier.with_consumer(crate::apply::first_cursor(flow));
+    }
     if let Some(o) = &observe {
         applier = applier.with_metrics(o.metrics.clone());
     }
     health(FlowState::Following);
     progress(&format!(
-        "apply: following topic {} until SIGTERM",
-        feed_topic(flow)
+        "apply: following {} until SIGTERM",
+        followed.describe(flow)
     ));
     let applied = async {
         loop {
@@ -440,12 +532,10 @@ pub async fn apply_round(
                 }
                 continue;
             }
-            let stats = applier
-                .apply_log_with(&feed, &crate::crash::NoCrash)
-                .await?;
+            let stats = followed.apply(&mut applier).await?;
             let idle = stats.transactions == 0;
             if idle {
-                applier.persist_cursor(&feed).await?;
+                followed.persist(&mut applier).await?;
             }
             if let Some(o) = &observe {
                 o.health.state(FlowState::Following);
@@ -457,9 +547,15 @@ pub async fn apply_round(
             }
             crate::apply::accumulate(&mut report.apply, stats);
             if finished {
-                // Drained what the topic held when the signal came.
-                applier.persist_cursor(&feed).await?;
+                // Drained what the topic or log held when the signal came.
+                followed.persist(&mut applier).await?;
                 return Ok::<(), FlowError>(());
+            }
+            if idle {
+                tokio::select! {
+                    waited = followed.wait(tuning.idle_tick) => waited?,
+                    _ = stop.wait_for(|s| *s) => {}
+                }
             }
         }
     };
@@ -469,14 +565,6 @@ pub async fn apply_round(
         report.apply.transactions, report.apply.rows, report.apply.duplicates_skipped
     ));
     Ok(report)
-}
-
-/// The topic a Kafka flow forwards to, for messages.
-fn feed_topic(flow: &Flow) -> &str {
-    match &flow.transport {
-        Transport::Kafka { topic, .. } => topic,
-        Transport::Local { .. } => "",
-    }
 }
 
 /// Whether the flow's target holds a boundary to stream from: its state
@@ -494,7 +582,10 @@ async fn boundary_ready(target: &tokio_postgres::Client, flow: &str) -> Result<b
 /// it is one of `droppable` (see [`over_cap`]).
 /// A reloaded limit (see [`crate::service::LiveSettings`]) applies here.
 fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>, droppable: &Droppable) {
-    let result = crate::capture::release_source_ack(log).and_then(|()| match observe {
+    // An apply service in another process commits its cursor on the disk.
+    let result = log.reload_cursors();
+    let result = result.and_then(|()| crate::capture::release_source_ack(log));
+    let result = result.and_then(|()| match observe {
         Some(o) => log.enforce_retention_with(&crate::log::RetentionPolicy {
             max_total_bytes: o.live.retention(),
             ..crate::log::RetentionPolicy::keep_all()

@@ -147,6 +147,9 @@ pub(crate) struct CursorStore<S> {
     storage: S,
     dir: PathBuf,
     positions: BTreeMap<String, CursorPosition>,
+    /// A follower's handle on the directory it opened: its commits go
+    /// there, never into a log that replaced it ([`super::follow`]).
+    anchor: Option<std::fs::File>,
 }
 
 impl<S: Storage> CursorStore<S> {
@@ -156,45 +159,36 @@ impl<S: Storage> CursorStore<S> {
         storage
             .create_dir_all(dir)
             .map_err(Error::io("create cursor directory", dir))?;
-        let names = storage
-            .list(dir)
-            .map_err(Error::io("list cursor directory", dir))?;
-        let mut positions = BTreeMap::new();
         let mut removed = Vec::new();
-        for name in names {
-            let path = dir.join(&name);
-            if name.ends_with(TEMP_SUFFIX) {
-                // A commit that crashed before its rename: the cursor file
-                // still holds the previous position, which is the truth.
-                storage
-                    .remove(&path)
-                    .map_err(Error::io("remove stale cursor temp file", &path))?;
-                removed.push(path);
-                continue;
-            }
-            let Some(consumer) = name.strip_suffix(CURSOR_SUFFIX) else {
-                continue;
-            };
-            if validate_name(consumer).is_err() {
-                continue;
-            }
-            let position = read_cursor_file(&storage, &path).and_then(|bytes| {
-                CursorPosition::decode(&bytes).map_err(|reason| Error::CursorCorrupt {
-                    consumer: consumer.to_owned(),
-                    path: path.clone(),
-                    reason,
-                })
-            })?;
-            positions.insert(consumer.to_owned(), position);
-        }
+        let positions = read_all(&storage, dir, Some(&mut removed))?;
         Ok((
             CursorStore {
                 storage,
                 dir: dir.to_path_buf(),
                 positions,
+                anchor: None,
             },
             removed,
         ))
+    }
+
+    /// The cursors of a log another process writes: its temp files are
+    /// its own commits in flight, left alone.
+    pub fn follow(storage: S, dir: &Path) -> Result<Self, Error> {
+        let anchor = std::fs::File::open(dir).map_err(Error::io("open cursor directory", dir))?;
+        Ok(CursorStore {
+            positions: read_all(&storage, dir, None)?,
+            storage,
+            dir: dir.to_path_buf(),
+            anchor: Some(anchor),
+        })
+    }
+
+    /// Reads the positions again from the disk, where a follower in
+    /// another process commits its own.
+    pub fn reload(&mut self) -> Result<(), Error> {
+        self.positions = read_all(&self.storage, &self.dir, None)?;
+        Ok(())
     }
 
     pub fn get(&self, consumer: &str) -> Option<CursorPosition> {
@@ -212,6 +206,17 @@ impl<S: Storage> CursorStore<S> {
     /// Durably stores `position` for `consumer` (temp, fsync, rename, fsync
     /// directory), then updates memory.
     pub fn persist(&mut self, consumer: &str, position: CursorPosition) -> Result<(), Error> {
+        if let Some(anchor) = &self.anchor {
+            super::follow::commit_anchored(
+                anchor,
+                &self.dir,
+                &format!("{consumer}{CURSOR_SUFFIX}"),
+                &format!("{consumer}{TEMP_SUFFIX}"),
+                &position.encode(),
+            )?;
+            self.positions.insert(consumer.to_owned(), position);
+            return Ok(());
+        }
         let target = self.path(consumer);
         let temp = self.dir.join(format!("{consumer}{TEMP_SUFFIX}"));
         let file = self
@@ -235,6 +240,11 @@ impl<S: Storage> CursorStore<S> {
 
     /// Durably removes `consumer`'s cursor.
     pub fn remove(&mut self, consumer: &str) -> Result<(), Error> {
+        if self.anchor.is_some() {
+            return Err(Error::ReadOnly {
+                dir: self.dir.clone(),
+            });
+        }
         if !self.positions.contains_key(consumer) {
             return Err(Error::UnknownConsumer {
                 consumer: consumer.to_owned(),
@@ -250,6 +260,49 @@ impl<S: Storage> CursorStore<S> {
         self.positions.remove(consumer);
         Ok(())
     }
+}
+
+/// The positions of the cursor files in `dir`. Temp files are left by
+/// commits that crashed before their rename (the cursor file holds the
+/// previous position, the truth) or are in flight in another process;
+/// with `removed` given they are removed (the log's one writer opening
+/// it), else passed over.
+fn read_all<S: Storage>(
+    storage: &S,
+    dir: &Path,
+    mut removed: Option<&mut Vec<PathBuf>>,
+) -> Result<BTreeMap<String, CursorPosition>, Error> {
+    let names = storage
+        .list(dir)
+        .map_err(Error::io("list cursor directory", dir))?;
+    let mut positions = BTreeMap::new();
+    for name in names {
+        let path = dir.join(&name);
+        if name.ends_with(TEMP_SUFFIX) {
+            if let Some(removed) = removed.as_deref_mut() {
+                storage
+                    .remove(&path)
+                    .map_err(Error::io("remove stale cursor temp file", &path))?;
+                removed.push(path);
+            }
+            continue;
+        }
+        let Some(consumer) = name.strip_suffix(CURSOR_SUFFIX) else {
+            continue;
+        };
+        if validate_name(consumer).is_err() {
+            continue;
+        }
+        let position = read_cursor_file(storage, &path).and_then(|bytes| {
+            CursorPosition::decode(&bytes).map_err(|reason| Error::CursorCorrupt {
+                consumer: consumer.to_owned(),
+                path: path.clone(),
+                reason,
+            })
+        })?;
+        positions.insert(consumer.to_owned(), position);
+    }
+    Ok(positions)
 }
 
 fn read_cursor_file<S: Storage>(storage: &S, path: &Path) -> Result<Vec<u8>, Error> {

@@ -87,6 +87,27 @@ pub enum Error {
         next: u64,
     },
 
+    /// [`super::Log::follow`] found no log its writer opened yet.
+    #[error(
+        "the log {} has not been opened by its relay yet (no watermark file in it); start the flow's relay",
+        dir.display()
+    )]
+    NotWritten { dir: PathBuf },
+
+    /// The followed log was removed or replaced (a reseed or teardown).
+    #[error(
+        "the log {} was replaced or removed while this process followed it; follow the new one from its own cursor",
+        dir.display()
+    )]
+    Replaced { dir: PathBuf },
+
+    /// A follower asked to write what only the log's writer writes.
+    #[error(
+        "the log {} is followed from another process: only its relay appends to it, deletes from it or drops cursors",
+        dir.display()
+    )]
+    ReadOnly { dir: PathBuf },
+
     #[error("no consumer named {consumer:?} is registered; register it first")]
     UnknownConsumer { consumer: String },
 

@@ -47,6 +47,7 @@
 mod clock;
 mod cursor;
 mod error;
+mod follow;
 mod frame;
 mod index;
 mod meta;
@@ -56,6 +57,7 @@ mod retention;
 mod segment;
 mod spill;
 pub mod storage;
+mod watermark;
 mod writer;
 
 use std::fmt;
@@ -76,6 +78,7 @@ pub use index::{INDEX_ENTRY_LEN, INDEX_HEADER_LEN, INDEX_MAGIC};
 pub use reader::{Reader, Record};
 pub use retention::{ConsumerPressure, DeletedSegment, RetentionPolicy, RetentionReport};
 pub use spill::SpillBuffer;
+pub use watermark::{WATERMARK_FILE_LEN, WATERMARK_MAGIC};
 
 use cursor::CursorStore;
 use reader::Horizon;
@@ -241,6 +244,9 @@ pub(crate) struct Shared<S: Storage> {
     pressure: Mutex<Vec<ConsumerPressure>>,
     counters: Counters,
     spill_seq: AtomicU64,
+    /// Set when this handle follows a log another process writes
+    /// ([`Log::follow`]): it never appends, deletes or recovers.
+    follower: Option<follow::Follower<S::File>>,
 }
 
 /// Locks a mutex whose data stays consistent even if a holder panicked
@@ -364,6 +370,14 @@ impl<S: Storage> Log<S> {
                 path: dir.clone(),
                 source: std::io::Error::other("recovery returned no segments"),
             })?;
+        let watermark = watermark::WatermarkFile::open(&storage, &dir)?;
+        // What recovery found is durable (it fsynced the last segment).
+        watermark
+            .publish(next, Some((active.base, recovered.active_len)))
+            .map_err(Error::io(
+                "write watermark file",
+                dir.join(watermark::WATERMARK_FILE),
+            ))?;
         let shared = Shared {
             storage,
             spill_dir,
@@ -378,7 +392,9 @@ impl<S: Storage> Log<S> {
                 recovered.active_len,
                 next,
                 recovered.last,
+                Some(watermark),
             )),
+            follower: None,
             synced: Condvar::new(),
             cursors: Mutex::new(cursors),
             pressure: Mutex::new(Vec::new()),
@@ -689,6 +705,13 @@ impl<S: Storage> Log<S> {
             .collect()
     }
 
+    /// Reads every cursor again from the disk: a consumer in another
+    /// process ([`Log::follow`]) commits its own there, and retention
+    /// must keep what it still needs.
+    pub fn reload_cursors(&self) -> Result<(), Error> {
+        relock(&self.shared.cursors).reload()
+    }
+
     /// Durably forgets `consumer`; it no longer holds back retention.
     pub fn unregister_consumer(&self, consumer: &str) -> Result<(), Error> {
         relock(&self.shared.cursors).remove(consumer)
@@ -707,6 +730,11 @@ impl<S: Storage> Log<S> {
         policy: &RetentionPolicy,
     ) -> Result<RetentionReport, Error> {
         let shared = &self.shared;
+        if shared.follower.is_some() {
+            return Err(Error::ReadOnly {
+                dir: shared.dir.clone(),
+            });
+        }
         // Held throughout, so no cursor can move back into a segment while
         // it is being deleted.
         let cursors = relock(&shared.cursors);

@@ -33,6 +33,7 @@ use super::frame::{
 use super::index::{self, SealedSummary, SparseIndex};
 use super::segment::Segment;
 use super::storage::{OpenMode, Storage, StorageFile, SyncMode};
+use super::watermark::WatermarkFile;
 use super::{Counters, Durable, MAX_PAYLOAD_LEN, Shared};
 
 /// Payloads at least this big are written directly instead of being copied
@@ -57,6 +58,9 @@ pub(crate) struct WriterState<F> {
     poisoned: Option<PathBuf>,
     /// Encoded frames not yet written to the active segment.
     scratch: Vec<u8>,
+    /// Tells followers in other processes what is durable; None in a
+    /// follower's own handle.
+    watermark: Option<WatermarkFile<F>>,
 }
 
 impl<F: StorageFile> WriterState<F> {
@@ -65,8 +69,10 @@ impl<F: StorageFile> WriterState<F> {
         active_len: u64,
         next_offset: u64,
         last: Option<Durable>,
+        watermark: Option<WatermarkFile<F>>,
     ) -> Self {
         WriterState {
+            watermark,
             active,
             active_len,
             next_offset,
@@ -112,6 +118,11 @@ type Guard<'a, F> = MutexGuard<'a, WriterState<F>>;
 
 impl<S: Storage> Shared<S> {
     fn lock_writer(&self) -> Result<Guard<'_, S::File>, Error> {
+        if self.follower.is_some() {
+            return Err(Error::ReadOnly {
+                dir: self.dir.clone(),
+            });
+        }
         // A panic while holding the writer mutex may have left offsets and
         // bytes out of step: refuse to write rather than guess.
         self.writer.lock().map_err(|_| Error::Poisoned {
@@ -120,7 +131,7 @@ impl<S: Storage> Shared<S> {
     }
 
     pub(crate) fn is_poisoned(&self) -> bool {
-        self.lock_writer().map_or(true, |w| w.poisoned.is_some())
+        self.follower.is_none() && self.lock_writer().map_or(true, |w| w.poisoned.is_some())
     }
 
     /// Records the first I/O failure on the append path and wakes waiters.
@@ -140,11 +151,25 @@ impl<S: Storage> Shared<S> {
         Error::Io { op, path, source }
     }
 
-    fn mark_synced(&self, w: &mut WriterState<S::File>, upto: u64, last: Option<Durable>) {
+    fn mark_synced(
+        &self,
+        w: &mut WriterState<S::File>,
+        upto: u64,
+        last: Option<Durable>,
+    ) -> Result<(), Error> {
         if upto > w.synced_next {
             w.synced_next = upto;
             self.publish_durable(upto, last);
+            // Where record `upto` starts is known only when nothing was
+            // written after it; else a follower walks to it.
+            let exact = upto == w.next_offset && w.scratch.is_empty();
+            let hint = exact.then(|| (w.active.base, w.active_len));
+            if let Some(Err(e)) = w.watermark.as_ref().map(|m| m.publish(upto, hint)) {
+                let path = self.dir.join(super::watermark::WATERMARK_FILE);
+                return Err(self.poison(w, "write watermark file", path, e));
+            }
         }
+        Ok(())
     }
 
     /// Writes the scratch buffer out; afterwards every record below
@@ -171,7 +196,7 @@ impl<S: Storage> Shared<S> {
         }
         Counters::add(&self.counters.fsyncs, 1);
         let (upto, last) = (w.next_offset, w.last_written);
-        self.mark_synced(w, upto, last);
+        self.mark_synced(w, upto, last)?;
         self.synced.notify_all();
 
         // Persist the sealed segment's index; it is a cache, so failing is
@@ -481,12 +506,13 @@ impl<S: Storage> Shared<S> {
             match result {
                 Ok(()) => {
                     Counters::add(&self.counters.fsyncs, 1);
-                    self.mark_synced(&mut w, upto, last);
+                    let marked = self.mark_synced(&mut w, upto, last);
                     self.synced.notify_all();
                     // Async waiters watch for the fsync's end too, not only
                     // for a moved watermark: a segment roll during it may
                     // already have covered `upto`, and then nothing moved.
                     self.moved.send_replace(());
+                    marked?;
                 }
                 Err(e) => return Err(self.poison(&mut w, "fsync segment", active.path.clone(), e)),
             }

@@ -101,6 +101,10 @@ pub trait Records {
     }
 }
 
+/// How often a log followed from another process is looked at for what
+/// its writer made durable: the bound on what the split costs in lag.
+pub const FOLLOW_POLL: Duration = Duration::from_millis(1);
+
 /// Records in order from one position.
 pub trait RecordReader {
     /// The next record; None at the end of what is there now.
@@ -144,6 +148,12 @@ impl<S: Storage> Records for Log<S> {
     }
 
     async fn wait_for_more(&self, offset: u64, patience: Duration) -> bool {
+        if self.is_follower() {
+            return self
+                .follow_past(offset, patience, FOLLOW_POLL)
+                .await
+                .unwrap_or(false);
+        }
         let mut moved = self.subscribe();
         let more = async {
             while self.written_end() <= offset {

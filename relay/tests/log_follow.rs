@@ -1,0 +1,187 @@
+//! A log followed from another handle, as the apply service follows the
+//! log its relay service writes: only what is durable is seen, segment
+//! rolls and retention are followed, the follower's cursor on the disk
+//! holds the writer's retention, and a follower never writes into a log
+//! that replaced the one it opened.
+
+use std::path::Path;
+use std::time::Duration;
+
+use trellara_relay::log::storage::FsStorage;
+use trellara_relay::log::{CursorPosition, Error, Log, LogConfig, RetentionPolicy};
+
+fn config() -> LogConfig {
+    LogConfig {
+        max_segment_bytes: 2048,
+        index_interval_bytes: 512,
+        retention: RetentionPolicy::keep_all(),
+        ..LogConfig::default()
+    }
+}
+
+fn writer(dir: &Path) -> Log {
+    Log::open(FsStorage::new(), dir, config()).unwrap().0
+}
+
+fn payload(i: u64) -> Vec<u8> {
+    format!("record {i:05} ")
+        .into_bytes()
+        .repeat(10 + (i % 7) as usize)
+}
+
+fn read_all(log: &Log, from: u64) -> Vec<(u64, u64, Vec<u8>)> {
+    log.read_written_from(from)
+        .unwrap()
+        .map(|r| {
+            let r = r.unwrap();
+            (r.offset, r.commit_lsn, r.payload)
+        })
+        .collect()
+}
+
+#[test]
+fn a_follower_sees_what_is_durable_and_follows_the_rolls() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("log");
+    assert!(matches!(
+        Log::follow(&dir, config()),
+        Err(Error::NotWritten { .. })
+    ));
+    let log = writer(&dir);
+    let follower = Log::follow(&dir, config()).unwrap();
+    assert!(follower.is_follower() && !log.is_follower());
+    assert_eq!(follower.next_offset(), 0);
+
+    // Written but not durable: the follower does not see it.
+    log.write_batch((0..3).map(|i| (100 + i, payload(i))))
+        .unwrap();
+    assert!(!follower.refresh().unwrap());
+    assert_eq!(follower.written_end(), 0);
+    assert!(read_all(&follower, 0).is_empty());
+    log.sync().unwrap();
+    assert!(follower.refresh().unwrap());
+    assert_eq!(follower.written_end(), 3);
+
+    // Many segments later, every record in order, whole.
+    for i in 3..200 {
+        log.append(100 + i, &payload(i)).unwrap();
+        if i % 37 == 0 {
+            follower.refresh().unwrap();
+        }
+    }
+    assert!(log.segments().len() > 10, "{:?}", log.segments().len());
+    follower.refresh().unwrap();
+    let got = read_all(&follower, 0);
+    assert_eq!(got.len(), 200);
+    for (i, (offset, lsn, bytes)) in got.iter().enumerate() {
+        let i = i as u64;
+        assert_eq!((*offset, *lsn, bytes), (i, 100 + i, &payload(i)));
+    }
+    // A reader from the middle of a sealed segment.
+    assert_eq!(read_all(&follower, 123).first().unwrap().0, 123);
+    // It appends nothing and deletes nothing.
+    assert!(matches!(
+        follower.append(1, b"no"),
+        Err(Error::ReadOnly { .. })
+    ));
+    assert!(matches!(
+        follower.enforce_retention(),
+        Err(Error::ReadOnly { .. })
+    ));
+    assert!(matches!(
+        follower.unregister_consumer("applier"),
+        Err(Error::ReadOnly { .. })
+    ));
+}
+
+#[test]
+fn the_followers_cursor_holds_the_writers_retention() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("log");
+    let log = writer(&dir);
+    log.register_consumer("applier").unwrap();
+    for i in 0..120 {
+        log.append(100 + i, &payload(i)).unwrap();
+    }
+    let follower = Log::follow(&dir, config()).unwrap();
+    assert_eq!(follower.cursor("applier").unwrap().next_offset, 0);
+    follower
+        .commit_cursor("applier", CursorPosition::after(79, 179))
+        .unwrap();
+    let delete_all = RetentionPolicy {
+        max_total_bytes: Some(0),
+        ..RetentionPolicy::keep_all()
+    };
+    // The writer's memory still says 0: nothing may go before it reads the
+    // follower's file.
+    assert!(
+        log.enforce_retention_with(&delete_all)
+            .unwrap()
+            .deleted
+            .is_empty()
+    );
+    log.reload_cursors().unwrap();
+    assert_eq!(log.cursor("applier").unwrap().next_offset, 80);
+    let report = log.enforce_retention_with(&delete_all).unwrap();
+    assert!(!report.deleted.is_empty());
+    assert!(log.first_offset() <= 80 && log.first_offset() > 0);
+    // The follower goes on past the removed segments, and lets their
+    // handles go when it next lists the directory.
+    for i in 120..200 {
+        log.append(100 + i, &payload(i)).unwrap();
+    }
+    follower.refresh().unwrap();
+    let got = read_all(&follower, 80);
+    assert_eq!(got.len(), 120);
+    assert_eq!(got.last().unwrap().0, 199);
+    let first = follower.segments().first().unwrap().base_offset;
+    assert!(first > 0 && first <= 80, "{first}");
+    assert!(matches!(
+        follower.read_written_from(0),
+        Err(Error::OffsetTruncated { .. })
+    ));
+}
+
+#[test]
+fn a_follower_never_writes_into_a_log_that_replaced_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("log");
+    let log = writer(&dir);
+    log.register_consumer("applier").unwrap();
+    for i in 0..50 {
+        log.append(100 + i, &payload(i)).unwrap();
+    }
+    let follower = Log::follow(&dir, config()).unwrap();
+    drop(log);
+    // A reseed: the log removed, a new one in its place with its cursor at
+    // the start of its own records.
+    std::fs::remove_dir_all(&dir).unwrap();
+    let new = writer(&dir);
+    new.register_consumer("applier").unwrap();
+    new.append(900, b"after the new boundary").unwrap();
+    let err = follower
+        .commit_cursor("applier", CursorPosition::after(40, 140))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
+        "{err:?}"
+    );
+    drop(new);
+    let reopened = writer(&dir);
+    assert_eq!(
+        reopened.cursor("applier").unwrap(),
+        CursorPosition::start_at(0),
+        "the new log's cursor is untouched"
+    );
+    // Idle, the follower finds out within its check interval.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match follower.refresh() {
+            Err(Error::Replaced { .. }) => break,
+            Ok(false) => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(std::time::Instant::now() < deadline, "never replaced");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
