@@ -120,11 +120,10 @@ impl FlowError {
                     .is_some_and(|d| trellara_common::retry::transient(d.code().code()))
         }
         match self {
-            FlowError::Connect(ConnectError::Timeout { .. })
-            | FlowError::LockLost { .. }
+            FlowError::Connect(ConnectError::Timeout { .. }) | FlowError::LockLost { .. } => true,
             // The relay replaced the log the apply role followed (a
             // reseed): the next round follows the new one.
-            | FlowError::Log(crate::log::Error::Replaced { .. }) => true,
+            _ if matches!(self.log_cause(), Some(crate::log::Error::Replaced { .. })) => true,
             FlowError::Connect(ConnectError::Session { source, .. })
             | FlowError::Target(source) => unreachable(source),
             FlowError::Apply(ApplyError::Target(crate::apply::TargetError::Postgres(e))) => {
@@ -140,6 +139,18 @@ impl FlowError {
                 Some(PgCause::Server(db)) => trellara_common::retry::transient(db.code().code()),
                 None => false,
             },
+        }
+    }
+
+    /// The log error that ended the round, however deep it was wrapped.
+    fn log_cause(&self) -> Option<&crate::log::Error> {
+        use crate::transport::TransportError;
+        match self {
+            FlowError::Log(e)
+            | FlowError::Apply(
+                ApplyError::Log(e) | ApplyError::Transport(TransportError::Log(e)),
+            ) => Some(e),
+            _ => None,
         }
     }
 
@@ -1560,12 +1571,10 @@ async fn ensure_boundary(
     if needs {
         // A new boundary means a new stream: the old log cannot be applied
         // on top of it.
-        if log_dir.exists() {
-            std::fs::remove_dir_all(log_dir).map_err(|source| FlowError::LogDir {
-                path: log_dir.display().to_string(),
-                source,
-            })?;
-        }
+        crate::log::remove_log_dir(log_dir).map_err(|source| FlowError::LogDir {
+            path: log_dir.display().to_string(),
+            source,
+        })?;
         progress(&format!(
             "snapshot: {}",
             current.map_or("first run".to_owned(), |r| format!(
@@ -2001,5 +2010,33 @@ pub async fn until_signal() {
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::TransportError;
+
+    #[test]
+    fn a_replaced_log_is_retried_however_deep_it_is_wrapped() {
+        let replaced = || crate::log::Error::Replaced {
+            dir: PathBuf::from("/var/lib/trellara/orders"),
+        };
+        for e in [
+            FlowError::Log(replaced()),
+            FlowError::Apply(ApplyError::Log(replaced())),
+            FlowError::Apply(ApplyError::Transport(TransportError::Log(replaced()))),
+        ] {
+            assert!(e.retryable(), "{e:?}");
+        }
+        // Records the relay had called durable are gone: no retry finds them.
+        let back = crate::log::Error::WatermarkBack {
+            dir: PathBuf::from("/var/lib/trellara/orders"),
+            seen: 10,
+            now: 4,
+        };
+        let e = FlowError::Apply(ApplyError::Transport(TransportError::Log(back)));
+        assert!(!e.retryable(), "{e:?}");
     }
 }

@@ -354,7 +354,7 @@ pub async fn execute(
                 }
                 Step::LogDirectory { path } => {
                     let dir = PathBuf::from(path);
-                    std::fs::remove_dir_all(&dir).map_err(|source| TeardownError::LogDir {
+                    crate::log::remove_log_dir(&dir).map_err(|source| TeardownError::LogDir {
                         path: path.clone(),
                         source,
                     })?;

@@ -112,14 +112,6 @@ fn the_followers_cursor_holds_the_writers_retention() {
         max_total_bytes: Some(0),
         ..RetentionPolicy::keep_all()
     };
-    // The writer's memory still says 0: nothing may go before it reads the
-    // follower's file.
-    assert!(
-        log.enforce_retention_with(&delete_all)
-            .unwrap()
-            .deleted
-            .is_empty()
-    );
     log.reload_cursors().unwrap();
     assert_eq!(log.cursor("applier").unwrap().next_offset, 80);
     let report = log.enforce_retention_with(&delete_all).unwrap();
@@ -155,17 +147,15 @@ fn a_follower_never_writes_into_a_log_that_replaced_its_own() {
     drop(log);
     // A reseed: the log removed, a new one in its place with its cursor at
     // the start of its own records.
-    std::fs::remove_dir_all(&dir).unwrap();
+    trellara_relay::log::remove_log_dir(&dir).unwrap();
     let new = writer(&dir);
     new.register_consumer("applier").unwrap();
     new.append(900, b"after the new boundary").unwrap();
     let err = follower
         .commit_cursor("applier", CursorPosition::after(40, 140))
         .unwrap_err();
-    assert!(
-        matches!(&err, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
-        "{err:?}"
-    );
+    // Replaced is what the apply service retries on: it follows the new log.
+    assert!(matches!(&err, Error::Replaced { .. }), "{err:?}");
     drop(new);
     let reopened = writer(&dir);
     assert_eq!(
@@ -184,4 +174,94 @@ fn a_follower_never_writes_into_a_log_that_replaced_its_own() {
         assert!(std::time::Instant::now() < deadline, "never replaced");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[test]
+fn a_follower_reads_no_byte_past_the_durable_end() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("log");
+    let log = writer(&dir);
+    for i in 0..3 {
+        log.append(100 + i, &payload(i)).unwrap();
+    }
+    let active = log.segments().last().unwrap().path.clone();
+    drop(log);
+    // The relay killed in the middle of writing a frame: bytes past the
+    // durable end that its recovery cuts and writes over.
+    let torn = vec![0xAB; 300];
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&active)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &torn))
+        .unwrap();
+    let follower = Log::follow(&dir, config()).unwrap();
+    let mut reader = follower.read_written_from(0).unwrap();
+    let first: Vec<u64> = reader.by_ref().map(|r| r.unwrap().offset).collect();
+    assert_eq!(first, [0, 1, 2]);
+
+    let log = writer(&dir);
+    log.append(103, &payload(3)).unwrap();
+    assert!(follower.refresh().unwrap());
+    // The same reader goes on: what it buffered of the torn bytes would now
+    // be another frame's place.
+    let record = reader.next().unwrap().unwrap();
+    assert_eq!((record.offset, record.payload), (3, payload(3)));
+    assert!(reader.next().is_none());
+}
+
+#[test]
+fn the_writer_opening_leaves_a_followers_commit_in_flight_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("log");
+    let log = writer(&dir);
+    log.register_consumer("applier").unwrap();
+    log.append(100, b"one").unwrap();
+    let follower = Log::follow(&dir, config()).unwrap();
+    drop(log);
+    // The relay restarts while the apply service commits its cursor, over
+    // and over: no commit may lose its temp file to the opening.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let commits = {
+        let stop = std::sync::Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                follower
+                    .commit_cursor("applier", CursorPosition::after(0, 100))
+                    .unwrap();
+                n += 1;
+            }
+            n
+        })
+    };
+    for _ in 0..200 {
+        drop(writer(&dir));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(commits.join().unwrap() > 0);
+    assert_eq!(writer(&dir).cursor("applier").unwrap().next_offset, 1);
+}
+
+#[test]
+fn an_unreadable_watermark_is_named_and_never_read_as_a_position() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("log");
+    drop(writer(&dir));
+    let mark = dir.join("durable");
+    // Created, not written yet: the relay is opening the log.
+    std::fs::write(&mark, b"").unwrap();
+    assert!(matches!(
+        Log::follow(&dir, config()),
+        Err(Error::NotWritten { .. })
+    ));
+    std::fs::write(&mark, [0x5a; 48]).unwrap();
+    let err = Log::follow(&dir, config()).unwrap_err();
+    assert!(matches!(err, Error::WatermarkUnreadable { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("restart the flow's relay"),
+        "{err}"
+    );
+    // The relay rewrites it when it opens the log.
+    drop(writer(&dir));
+    Log::follow(&dir, config()).unwrap();
 }

@@ -415,19 +415,26 @@ async fn follow_log(
         flow: flow.name.clone(),
     })?;
     let cursor = crate::apply::first_cursor(flow);
-    let mut said = false;
+    let mut said = None;
     loop {
-        match Log::follow(dir, crate::log::LogConfig::default()) {
+        let waiting = match Log::follow(dir, crate::log::LogConfig::default()) {
             Ok(log) if log.cursor(&cursor).is_some() => return Ok(Some(log)),
-            Ok(_) | Err(crate::log::Error::NotWritten { .. }) => {}
-            Err(e) => return Err(e.into()),
-        }
-        if !said {
-            progress(&format!(
-                "apply: waiting for the relay to open the log {} (on this host)",
+            Ok(_) => format!(
+                "apply: waiting for the relay to place cursor {cursor} in the log {}",
                 dir.display()
-            ));
-            said = true;
+            ),
+            // Replaced while it was opened: the next look finds the new one.
+            Err(crate::log::Error::NotWritten { .. } | crate::log::Error::Replaced { .. }) => {
+                format!(
+                    "apply: waiting for the relay to open the log {} (on this host)",
+                    dir.display()
+                )
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if said.as_ref() != Some(&waiting) {
+            progress(&waiting);
+            said = Some(waiting);
         }
         tokio::select! {
             () = tokio::time::sleep(READY_POLL) => {}
@@ -583,8 +590,12 @@ async fn boundary_ready(target: &tokio_postgres::Client, flow: &str) -> Result<b
 /// A reloaded limit (see [`crate::service::LiveSettings`]) applies here.
 fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>, droppable: &Droppable) {
     // An apply service in another process commits its cursor on the disk.
-    let result = log.reload_cursors();
-    let result = result.and_then(|()| crate::capture::release_source_ack(log));
+    // Positions left unread are older, never newer: what the source and
+    // retention release on them is released later, never too early.
+    if let Err(e) = log.reload_cursors() {
+        tracing::warn!(error = %e, "could not read the consumers' cursors; releasing on the last ones read");
+    }
+    let result = crate::capture::release_source_ack(log);
     let result = result.and_then(|()| match observe {
         Some(o) => log.enforce_retention_with(&crate::log::RetentionPolicy {
             max_total_bytes: o.live.retention(),

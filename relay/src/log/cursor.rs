@@ -8,7 +8,9 @@
 //!   cursor file and fsyncs the directory, in that order; after a crash at
 //!   any point the cursor file holds either the old or the new position,
 //!   never a mix (the rename is atomic; the data was durable before it).
-//! * Temp files left by a crash are ignored and removed on open.
+//! * Temp files left by a crash are ignored and removed on open. A
+//!   follower in another process commits through `<consumer>.cursor.ftmp`,
+//!   which the writer never removes: it may be that commit in flight.
 //! * A cursor file that is torn or fails its checksum is an error
 //!   ([`Error::CursorCorrupt`]); it is never read as "start from 0".
 //! * The in-memory position changes only after the new file is durable, so
@@ -28,6 +30,9 @@ pub const CURSOR_FILE_LEN: usize = 32;
 
 const CURSOR_SUFFIX: &str = ".cursor";
 const TEMP_SUFFIX: &str = ".cursor.tmp";
+/// A follower's temp files: the writer, opening the log while a follower
+/// commits, must not take one from under its rename.
+const FOLLOW_TEMP_SUFFIX: &str = ".cursor.ftmp";
 const FLAG_HAS_LSN: u16 = 1;
 const MAX_NAME_LEN: usize = 64;
 
@@ -211,7 +216,7 @@ impl<S: Storage> CursorStore<S> {
                 anchor,
                 &self.dir,
                 &format!("{consumer}{CURSOR_SUFFIX}"),
-                &format!("{consumer}{TEMP_SUFFIX}"),
+                &format!("{consumer}{FOLLOW_TEMP_SUFFIX}"),
                 &position.encode(),
             )?;
             self.positions.insert(consumer.to_owned(), position);
@@ -293,22 +298,27 @@ fn read_all<S: Storage>(
         if validate_name(consumer).is_err() {
             continue;
         }
-        let position = read_cursor_file(storage, &path).and_then(|bytes| {
-            CursorPosition::decode(&bytes).map_err(|reason| Error::CursorCorrupt {
-                consumer: consumer.to_owned(),
-                path: path.clone(),
-                reason,
-            })
+        // Dropped by the writer since the listing: no cursor.
+        let Some(bytes) = read_cursor_file(storage, &path)? else {
+            continue;
+        };
+        let position = CursorPosition::decode(&bytes).map_err(|reason| Error::CursorCorrupt {
+            consumer: consumer.to_owned(),
+            path: path.clone(),
+            reason,
         })?;
         positions.insert(consumer.to_owned(), position);
     }
     Ok(positions)
 }
 
-fn read_cursor_file<S: Storage>(storage: &S, path: &Path) -> Result<Vec<u8>, Error> {
-    let file = storage
-        .open(path, OpenMode::Existing)
-        .map_err(Error::io("open cursor file", path))?;
+/// A cursor file's bytes; None when it no longer exists.
+fn read_cursor_file<S: Storage>(storage: &S, path: &Path) -> Result<Option<Vec<u8>>, Error> {
+    let file = match storage.open(path, OpenMode::Existing) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("open cursor file", path)(e)),
+    };
     let len = file.len().map_err(Error::io("stat cursor file", path))?;
     // Read one byte more than a cursor needs so an over-long file is caught.
     let want = usize::try_from(len)
@@ -317,7 +327,7 @@ fn read_cursor_file<S: Storage>(storage: &S, path: &Path) -> Result<Vec<u8>, Err
     let mut bytes = vec![0u8; want];
     file.read_exact_at(&mut bytes, 0)
         .map_err(Error::io("read cursor file", path))?;
-    Ok(bytes)
+    Ok(Some(bytes))
 }
 
 #[cfg(test)]

@@ -101,6 +101,29 @@ pub enum Error {
     )]
     Replaced { dir: PathBuf },
 
+    /// The watermark file a follower reads cannot be decoded. Nothing of
+    /// the log is lost: the relay rewrites the file whenever it opens it.
+    #[error(
+        "the watermark file {} of the log is unreadable; no record was read past it: \
+         restart the flow's relay, which rewrites the file from the segments when it opens the log",
+        path.display()
+    )]
+    WatermarkUnreadable {
+        path: PathBuf,
+        #[source]
+        reason: Corruption,
+    },
+
+    /// The log's writer now names fewer records durable than a follower
+    /// already read: records it had called durable are gone.
+    #[error(
+        "the log {} now names records below {now} durable, but this process already read up to {seen}; \
+         records the relay had called durable are gone (a restored or edited log directory?): \
+         reseed the flow",
+        dir.display()
+    )]
+    WatermarkBack { dir: PathBuf, seen: u64, now: u64 },
+
     /// A follower asked to write what only the log's writer writes.
     #[error(
         "the log {} is followed from another process: only its relay appends to it, deletes from it or drops cursors",

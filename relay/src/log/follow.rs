@@ -31,7 +31,7 @@ use super::frame::{SEGMENT_HEADER_LEN, SegmentHeader};
 use super::index::SparseIndex;
 use super::segment::{Segment, parse_segment_name, segment_name};
 use super::storage::{FsStorage, OpenMode, Storage, StorageFile};
-use super::watermark::{self, WATERMARK_FILE};
+use super::watermark::{self, WATERMARK_FILE, WATERMARK_FILE_LEN};
 use super::writer::WriterState;
 use super::{CURSOR_DIR, Counters, Log, LogConfig, SPILL_DIR, Shared, relock};
 
@@ -57,25 +57,36 @@ impl Log<FsStorage> {
         let dir = dir.into();
         let storage = FsStorage::new();
         let path = dir.join(WATERMARK_FILE);
+        let not_written = || Error::NotWritten { dir: dir.clone() };
         let file = match storage.open(&path, OpenMode::Existing) {
             Ok(file) => file,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(Error::NotWritten { dir });
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(not_written()),
             Err(e) => return Err(Error::io("open watermark file", &path)(e)),
         };
-        let mark = watermark::read(&file, &path)?;
-        let (segments, _) = open_segments(&storage, &dir, &config, None, mark.next_offset)?;
-        let active = segments
-            .last()
-            .cloned()
-            .ok_or_else(|| Error::NotWritten { dir: dir.clone() })?;
-        if let Some((base, pos)) = mark.hint
-            && base == active.base
-        {
-            active.index_mut().observe(mark.next_offset, pos);
+        // Created but not written yet: its writer is opening the log.
+        let len = file
+            .len()
+            .map_err(Error::io("stat watermark file", &path))?;
+        if len < WATERMARK_FILE_LEN as u64 {
+            return Err(not_written());
         }
+        let mark = watermark::read(&file, &path)?;
+        let (segments, _) = open_segments(&storage, &dir, &config, None, mark.end.0)?;
+        let active = segments.last().cloned().ok_or_else(not_written)?;
         let cursors = CursorStore::follow(storage, &dir.join(CURSOR_DIR))?;
+        let follower = Follower {
+            watermark: file,
+            path,
+            log_id: mark.log_id,
+            checked: Mutex::new(Instant::now()),
+        };
+        // Each piece above was opened by path: a reseed that replaced the
+        // log meanwhile must not leave this handle holding two logs.
+        follower.check_same(&storage, &dir)?;
+        if active.base != mark.end.0 {
+            return Err(missing_segment(&dir, mark.end.0));
+        }
+        follower.take_end(&active, &mark);
         let shared = Shared {
             storage,
             spill_dir: dir.join(SPILL_DIR),
@@ -97,12 +108,7 @@ impl Log<FsStorage> {
             pressure: Mutex::new(Vec::new()),
             counters: Counters::default(),
             spill_seq: AtomicU64::new(0),
-            follower: Some(Follower {
-                watermark: file,
-                path,
-                log_id: mark.log_id,
-                checked: Mutex::new(Instant::now()),
-            }),
+            follower: Some(follower),
             dir,
         };
         Ok(Log {
@@ -131,7 +137,15 @@ impl<S: Storage> Log<S> {
                 dir: shared.dir.clone(),
             });
         }
-        if mark.next_offset <= shared.durable_next() {
+        let seen = shared.durable_next();
+        if mark.next_offset < seen {
+            return Err(Error::WatermarkBack {
+                dir: shared.dir.clone(),
+                seen,
+                now: mark.next_offset,
+            });
+        }
+        if mark.next_offset == seen {
             let mut checked = relock(&follower.checked);
             if checked.elapsed() >= REPLACED_CHECK {
                 *checked = Instant::now();
@@ -141,14 +155,19 @@ impl<S: Storage> Log<S> {
         }
         let last = shared.segments().last().cloned();
         let last_base = last.as_ref().map_or(0, |s| s.base);
-        if mark.hint.is_none_or(|(base, _)| base != last_base) {
+        if last.is_none() || mark.end.0 != last_base {
             let (fresh, present) = open_segments(
                 &shared.storage,
                 &shared.dir,
                 &shared.config,
-                Some(last_base),
-                mark.next_offset,
+                last.as_ref().map(|s| s.base),
+                mark.end.0,
             )?;
+            if fresh.last().is_none_or(|s| s.base != mark.end.0) {
+                follower.check_same(&shared.storage, &shared.dir)?;
+                return Err(missing_segment(&shared.dir, mark.end.0));
+            }
+            // Rolled past: sealed, its file is whole and fsynced.
             if let Some(last) = &last {
                 last.set_len(file_len(last)?);
             }
@@ -162,14 +181,8 @@ impl<S: Storage> Log<S> {
             });
             segments.extend(fresh);
         }
-        let active = shared.segments().last().cloned();
-        if let Some(active) = active {
-            active.set_len(file_len(&active)?);
-            if let Some((base, pos)) = mark.hint
-                && base == active.base
-            {
-                active.index_mut().observe(mark.next_offset, pos);
-            }
+        if let Some(active) = shared.segments().last() {
+            follower.take_end(active, &mark);
         }
         shared
             .written_next
@@ -204,6 +217,14 @@ impl<S: Storage> Log<S> {
 }
 
 impl<F: StorageFile> Follower<F> {
+    /// The segment the watermark ends in is read up to its durable end and
+    /// no further: bytes past it (a frame written, not yet fsynced) may be
+    /// cut and written again by a recovering writer.
+    fn take_end(&self, active: &Segment<F>, mark: &watermark::Watermark) {
+        active.set_len(mark.end.1);
+        active.index_mut().observe(mark.next_offset, mark.end.1);
+    }
+
     /// The log at the path is still the one this follower opened.
     fn check_same<S: Storage<File = F>>(&self, storage: &S, dir: &Path) -> Result<(), Error> {
         let replaced = || Error::Replaced {
@@ -217,9 +238,18 @@ impl<F: StorageFile> Follower<F> {
         match watermark::read(&file, &self.path) {
             Ok(mark) if mark.log_id == self.log_id => Ok(()),
             // A new log's file before its first write reads as torn.
-            Ok(_) | Err(Error::Corrupt { .. }) => Err(replaced()),
+            Ok(_) | Err(Error::WatermarkUnreadable { .. }) => Err(replaced()),
             Err(e) => Err(e),
         }
+    }
+}
+
+fn missing_segment(dir: &Path, base: u64) -> Error {
+    let path = dir.join(segment_name(base));
+    Error::Io {
+        op: "open the segment the watermark file names",
+        source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such segment"),
+        path,
     }
 }
 
@@ -230,9 +260,8 @@ fn file_len<F: StorageFile>(segment: &Segment<F>) -> Result<u64, Error> {
         .map_err(Error::io("stat segment", &segment.path))
 }
 
-/// The segments of `dir` after base `after` with records below `upto`
-/// (the one starting at `upto` too, once its header is written), and the
-/// bases found on the disk.
+/// The segments of `dir` after base `after` up to base `upto`, the one the
+/// watermark ends in, and the bases found on the disk.
 #[allow(clippy::type_complexity)]
 fn open_segments<S: Storage>(
     storage: &S,
@@ -268,11 +297,8 @@ fn open_segments<S: Storage>(
         } else {
             None
         };
+        // Its writer fsynced the header before the watermark named it.
         let Some(header) = header.filter(|h| h.base_offset == base) else {
-            if base == upto {
-                // Being created by its writer: it holds nothing durable.
-                break;
-            }
             return Err(Error::Corrupt {
                 path,
                 pos: 0,
@@ -307,12 +333,19 @@ pub(crate) fn commit_anchored(
     use nix::sys::stat::Mode;
     let target = dir_path.join(name);
     let temp_path = dir_path.join(temp);
+    // The directory removed (a reseed or teardown replaced the log): no
+    // entry can be made in it, and this log's positions go nowhere else.
     let io = |op, path: &Path| {
         let path = path.to_path_buf();
-        move |e: nix::Error| Error::Io {
-            op,
-            path,
-            source: std::io::Error::from(e),
+        move |e: nix::Error| match e {
+            nix::Error::ENOENT => Error::Replaced {
+                dir: dir_path.parent().unwrap_or(dir_path).to_path_buf(),
+            },
+            e => Error::Io {
+                op,
+                path,
+                source: std::io::Error::from(e),
+            },
         }
     };
     let fd = openat(
@@ -321,7 +354,6 @@ pub(crate) fn commit_anchored(
         OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC | OFlag::O_CLOEXEC,
         Mode::from_bits_truncate(0o600),
     )
-    // A removed directory takes no new entry: ENOENT.
     .map_err(io("create cursor temp file", &temp_path))?;
     let file = std::fs::File::from(fd);
     std::os::unix::fs::FileExt::write_all_at(&file, bytes, 0)
@@ -333,4 +365,32 @@ pub(crate) fn commit_anchored(
         .map_err(io("rename cursor temp file over", &target))?;
     dir.sync_all()
         .map_err(Error::io("fsync cursor directory", dir_path))
+}
+
+/// Removes a log directory that a follower in another process may hold
+/// open. It is renamed aside first, in one step, so the path never names a
+/// half-removed log and a follower's next cursor commit fails (its anchored
+/// directory is gone) instead of racing the removal.
+pub fn remove_log_dir(dir: &Path) -> std::io::Result<()> {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let aside = dir.with_file_name(format!(".{name}.removing-{}", std::process::id()));
+    match std::fs::rename(dir, &aside) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    // A follower's commit in flight may add a file while it goes.
+    let mut tries = 0;
+    loop {
+        match std::fs::remove_dir_all(&aside) {
+            Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty && tries < 10 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
 }

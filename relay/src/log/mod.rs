@@ -70,6 +70,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLock
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use cursor::{CURSOR_FILE_LEN, CURSOR_MAGIC, CursorPosition};
 pub use error::Error;
+pub use follow::remove_log_dir;
 pub use frame::{
     CHECKSUM_SEED, Corruption, FORMAT_VERSION, FRAME_HEADER_LEN, FRAME_MAGIC, SEGMENT_HEADER_LEN,
     SEGMENT_MAGIC,
@@ -373,7 +374,7 @@ impl<S: Storage> Log<S> {
         let watermark = watermark::WatermarkFile::open(&storage, &dir)?;
         // What recovery found is durable (it fsynced the last segment).
         watermark
-            .publish(next, Some((active.base, recovered.active_len)))
+            .publish(next, (active.base, recovered.active_len))
             .map_err(Error::io(
                 "write watermark file",
                 dir.join(watermark::WATERMARK_FILE),

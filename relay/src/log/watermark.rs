@@ -27,7 +27,6 @@ pub(crate) const WATERMARK_FILE: &str = "durable";
 pub const WATERMARK_MAGIC: [u8; 4] = *b"TRLW";
 /// Size of the file.
 pub const WATERMARK_FILE_LEN: usize = 48;
-const FLAG_HINT: u16 = 1;
 
 /// What the file says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,16 +35,18 @@ pub(crate) struct Watermark {
     pub log_id: u64,
     /// One past the last durable record.
     pub next_offset: u64,
-    /// Where record `next_offset` will start (segment base, byte
-    /// position), when the writer knew it exactly: a follower seeks there
-    /// instead of walking the segment's headers.
-    pub hint: Option<(u64, u64)>,
+    /// Where the durable bytes end: the base of the segment holding
+    /// record `next_offset - 1` or, once rolled, the new segment record
+    /// `next_offset` goes to, and that segment's durable length. A follower
+    /// reads that segment up to there and no further, so it never holds a
+    /// byte a crash of its writer could have taken back.
+    pub end: (u64, u64),
 }
 
 impl Watermark {
     pub fn encode(&self) -> [u8; WATERMARK_FILE_LEN] {
-        let (base, pos) = self.hint.unwrap_or((0, 0));
-        let flags = if self.hint.is_some() { FLAG_HINT } else { 0 };
+        let (base, pos) = self.end;
+        let flags = 0u16;
         let mut out = [0u8; WATERMARK_FILE_LEN];
         let fields: [&[u8]; 7] = [
             &WATERMARK_MAGIC,
@@ -98,13 +99,13 @@ impl Watermark {
         if version != FORMAT_VERSION {
             return Err(Corruption::UnsupportedVersion(version));
         }
-        if flags & !FLAG_HINT != 0 {
+        if flags != 0 {
             return Err(Corruption::UnknownFlags(flags));
         }
         Ok(Watermark {
             log_id: word(8),
             next_offset: word(16),
-            hint: (flags & FLAG_HINT != 0).then(|| (word(24), word(32))),
+            end: (word(24), word(32)),
         })
     }
 }
@@ -132,11 +133,11 @@ impl<F: StorageFile> WatermarkFile<F> {
     }
 
     /// Rewrites it in place (no fsync: see the module's invariants).
-    pub fn publish(&self, next_offset: u64, hint: Option<(u64, u64)>) -> std::io::Result<()> {
+    pub fn publish(&self, next_offset: u64, end: (u64, u64)) -> std::io::Result<()> {
         let mark = Watermark {
             log_id: self.log_id,
             next_offset,
-            hint,
+            end,
         };
         self.file.write_at(&mark.encode(), 0)
     }
@@ -166,9 +167,8 @@ pub(crate) fn read<F: StorageFile>(file: &F, path: &Path) -> Result<Watermark, E
         }
         std::thread::yield_now();
     }
-    Err(Error::Corrupt {
+    Err(Error::WatermarkUnreadable {
         path: path.to_path_buf(),
-        pos: 0,
         reason: last,
     })
 }
@@ -192,12 +192,10 @@ mod tests {
         let mark = Watermark {
             log_id: 0xfeed_beef,
             next_offset: 4242,
-            hint: Some((4096, 123_456)),
+            end: (4096, 123_456),
         };
         let bytes = mark.encode();
         assert_eq!(Watermark::decode(&bytes), Ok(mark));
-        let plain = Watermark { hint: None, ..mark };
-        assert_eq!(Watermark::decode(&plain.encode()), Ok(plain));
         for i in 0..WATERMARK_FILE_LEN {
             let mut flipped = bytes;
             if let Some(b) = flipped.get_mut(i) {

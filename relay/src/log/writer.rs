@@ -156,15 +156,12 @@ impl<S: Storage> Shared<S> {
         w: &mut WriterState<S::File>,
         upto: u64,
         last: Option<Durable>,
+        end: (u64, u64),
     ) -> Result<(), Error> {
         if upto > w.synced_next {
             w.synced_next = upto;
             self.publish_durable(upto, last);
-            // Where record `upto` starts is known only when nothing was
-            // written after it; else a follower walks to it.
-            let exact = upto == w.next_offset && w.scratch.is_empty();
-            let hint = exact.then(|| (w.active.base, w.active_len));
-            if let Some(Err(e)) = w.watermark.as_ref().map(|m| m.publish(upto, hint)) {
+            if let Some(Err(e)) = w.watermark.as_ref().map(|m| m.publish(upto, end)) {
                 let path = self.dir.join(super::watermark::WATERMARK_FILE);
                 return Err(self.poison(w, "write watermark file", path, e));
             }
@@ -196,7 +193,7 @@ impl<S: Storage> Shared<S> {
         }
         Counters::add(&self.counters.fsyncs, 1);
         let (upto, last) = (w.next_offset, w.last_written);
-        self.mark_synced(w, upto, last)?;
+        self.mark_synced(w, upto, last, (old.base, w.active_len))?;
         self.synced.notify_all();
 
         // Persist the sealed segment's index; it is a cache, so failing is
@@ -496,9 +493,17 @@ impl<S: Storage> Shared<S> {
                 continue;
             }
             w.sync_in_progress = true;
+            // Every caller wrote its frames out first, and earlier segments
+            // were fsynced when they rolled: the bytes below `end` are all
+            // this fsync has to cover.
             let upto = w.next_offset;
             let last = w.last_written;
             let active = Arc::clone(&w.active);
+            debug_assert!(
+                w.scratch.is_empty(),
+                "frames left unwritten before an fsync"
+            );
+            let end = (active.base, w.active_len);
             drop(w);
             let result = active.file.sync(SyncMode::Data);
             w = self.lock_writer()?;
@@ -506,7 +511,7 @@ impl<S: Storage> Shared<S> {
             match result {
                 Ok(()) => {
                     Counters::add(&self.counters.fsyncs, 1);
-                    let marked = self.mark_synced(&mut w, upto, last);
+                    let marked = self.mark_synced(&mut w, upto, last, end);
                     self.synced.notify_all();
                     // Async waiters watch for the fsync's end too, not only
                     // for a moved watermark: a segment roll during it may
