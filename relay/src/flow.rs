@@ -858,14 +858,7 @@ async fn run_round<W: Watch>(
         }
     };
     health(FlowState::Starting);
-    let Sessions {
-        source_url,
-        source,
-        target,
-        owner,
-        log_dir,
-        _log_lock,
-    } = open_sessions(
+    let sessions = open_sessions(
         flow,
         index,
         config_path,
@@ -875,19 +868,19 @@ async fn run_round<W: Watch>(
         progress,
     )
     .await?;
+    let (source_url, source, log_dir) = (&sessions.source_url, &sessions.source, &sessions.log_dir);
     let mut report = RunReport {
         flow: flow.name.clone(),
         ..RunReport::default()
     };
-    let stop = shutdown.clone().filter(|_| follow);
     let boundary = Boundary {
         flow,
-        source_url: &source_url,
-        log_dir: &log_dir,
-        stop,
+        source_url,
+        log_dir,
+        stop: shutdown.clone().filter(|_| follow),
         follow,
     };
-    match ensure_boundary(boundary, &source, &target, &health, progress).await? {
+    match ensure_boundary(boundary, source, &sessions.target, &health, progress).await? {
         Start::Snapshotted(copied) => {
             report.snapshot = Some(copied);
             health(FlowState::Starting);
@@ -898,73 +891,40 @@ async fn run_round<W: Watch>(
 
     // Capture until everything committed before now is durable, however
     // it was committed (crate::horizon).
-    let goal = crate::horizon::last_record_end(&source).await?;
+    let goal = crate::horizon::last_record_end(source).await?;
     // Capture and apply run together on one log: the applier takes what
     // is durable while capture continues, and finishes after capture stops.
-    let log = open_log(flow, &log_dir, &owner, progress)?;
-    let several = flow.sinks().len() > 1;
-    // Of several sinks, the log the others read decides what the slot may
-    // be confirmed past, not the first one's checkpoint (which a copy of
-    // its own moves ahead); a new log has only the first sink's copy.
-    let floor = if several && log.next_offset() > 0 {
-        Lsn::ZERO
-    } else {
-        checkpoint_floor(&target, &flow.name).await?
-    };
-    // The relay role of a local log keeps what its apply service, in
-    // another process, has not applied: its cursor is there before the
-    // first record (an existing one stays).
-    let followed =
-        role == Role::Relay && matches!(flow.transport, crate::config::Transport::Local { .. });
-    if (several && log.next_offset() == 0) || followed {
-        log.register_consumer(&crate::apply::first_cursor(flow))?;
-    }
-    forget_removed_sinks(flow, &log, progress);
-    let (tx, rx) = tokio::sync::watch::channel(Lsn::ZERO);
-    let tx = Arc::new(tx);
-    let begun = Arc::new(tokio::sync::Notify::new());
+    let (log, floor) = open_round_log(flow, role, &sessions, progress).await?;
     let capture_from = CaptureFrom {
         flow,
         index,
-        source_url: &source_url,
-        log_dir: &log_dir,
+        source_url,
+        log_dir,
         floor,
-        pinned: snapshot_pins(&target, &flow.name).await?,
+        pinned: snapshot_pins(&sessions.target, &flow.name).await?,
     };
-    let config = capture_config(capture_from, &tx, &begun, observe.clone())?;
-    progress(&if follow {
-        format!("capture: following slot {} until SIGTERM", flow.slot())
-    } else {
-        format!("capture: streaming slot {} until {goal}", flow.slot())
-    });
-    let (failed_tx, failed_rx) = tokio::sync::watch::channel(false);
-    let (done_tx, done_rx) = tokio::sync::watch::channel(false);
-    let stop = capture_stop(
-        follow.then_some(Following { shutdown, until }),
-        goal,
-        rx,
-        failed_rx,
-    );
-    let capture = async {
-        let result = match flow.capture {
-            CapturePath::External => capture::run_on(config, &log, stop)
-                .await
-                .map_err(FlowError::from),
-            CapturePath::Native => {
-                let native = NativeRun {
-                    log_dir: &log_dir,
-                    progress: tx,
-                    begun: Arc::clone(&begun),
-                    floor,
-                    observe: observe.clone(),
-                };
-                native_capture(flow, &source, &log, native, stop).await
-            }
-        };
-        let _ = done_tx.send(true);
-        result
-    };
-    let mut stage = open_stage(flow, role, target, config_path, observe.as_ref(), progress).await?;
+    let following = follow.then_some(Following { shutdown, until });
+    let Capture {
+        run: capture,
+        begun,
+        done: done_rx,
+        failed: failed_tx,
+    } = start_capture(
+        capture_from,
+        (source, &log),
+        (goal, following),
+        observe.clone(),
+        progress,
+    )?;
+    let mut stage = open_stage(
+        flow,
+        role,
+        sessions.target,
+        config_path,
+        observe.as_ref(),
+        progress,
+    )
+    .await?;
     let droppable = delivery::Droppable::of(flow);
     let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let shared = sinks::Shared {
@@ -972,58 +932,32 @@ async fn run_round<W: Watch>(
         index,
         config_path,
         role,
-        source_url: &source_url,
+        source_url,
         log: &log,
         begun: &begun,
         tuning: &TUNING,
         follow,
         droppable: &droppable,
     };
-    let apply = async {
-        let signals = Signals {
-            captured: done_rx.clone(),
-            begun: &begun,
-            observe: observe.as_ref(),
-            tuning: &TUNING,
-            droppable: &droppable,
-        };
-        let result = match stage.run(&log, &flow.name, signals).await {
-            // Following with several sinks, the first one's failure ends
-            // only its own part: capture and the others go on while it
-            // retries on its own, under the flow's lock this process holds.
-            Err(e) if follow && target_lock.is_some() && flow.sinks().len() > 1 => {
-                tracing::warn!(flow = %flow.name, error = %crate::errors::chain_of(&e), "the first sink's apply ended; it follows again on its own, the flow's other sinks go on");
-                let first = flow
-                    .first_sink()
-                    .expect("a flow of several sinks has a first");
-                let retried =
-                    sinks::run(&shared, first, observe.clone(), done_rx.clone(), true).await;
-                Ok((ApplyStats::default(), Some(retried)))
-            }
-            other => other.map(|stats| (stats, None)),
-        };
-        if result.is_err() {
-            // Capture stops too.
-            let _ = failed_tx.send(true);
-        }
-        let _ = applied_tx.send(true);
-        result
+    let signals = Signals {
+        captured: done_rx.clone(),
+        begun: &begun,
+        observe: observe.as_ref(),
+        tuning: &TUNING,
+        droppable: &droppable,
     };
-    let gauges_rx = applied_rx.clone();
-    let gauges = async {
-        if let Some(o) = &observe {
-            gauges(flow, &source, &log, &o.metrics, gauges_rx).await;
-        }
+    let ends = ApplyEnds {
+        first_retries: follow && target_lock.is_some() && flow.sinks().len() > 1,
+        captured: done_rx.clone(),
+        failed: &failed_tx,
+        applied: &applied_tx,
     };
+    let apply = apply_part(&mut stage, (&shared, &log), signals, observe.clone(), ends);
+    let gauges = gauges(flow, source, &log, observe.as_ref(), applied_rx.clone());
     // Following is capture's to say, once its session streams (external)
     // or the worker connects (native): a worker that never comes is not
     // ready.
-    let others = futures_util::future::join_all(flow.sinks().into_iter().skip(1).map(|sink| {
-        let observe = observe
-            .as_ref()
-            .map(|o| o.sink(&flow.name, &flow.source_id(), sink.name));
-        sinks::run(&shared, sink, observe, done_rx.clone(), false)
-    }));
+    let others = sinks::run_others(&shared, observe.as_ref(), &done_rx);
     let (captured, applied, watched, (), others) = tokio::join!(
         capture,
         apply,
@@ -1032,9 +966,150 @@ async fn run_round<W: Watch>(
         others
     );
     report.sinks = others;
-    let target = stage.target();
-    let stats = captured_or_failed(flow, target, captured).await?;
-    let (applied, retried) = applied?;
+    let ended = Ended {
+        captured,
+        applied,
+        watched,
+    };
+    finish_round(
+        (flow, role, follow, goal),
+        (source, stage.target()),
+        ended,
+        report,
+        progress,
+    )
+    .await
+}
+
+/// A round's capture, not started yet, and its signals: `begun` once it
+/// streams, `done` once it ended, `failed` to stop it.
+struct Capture<F> {
+    run: F,
+    begun: Arc<tokio::sync::Notify>,
+    done: tokio::sync::watch::Receiver<bool>,
+    failed: tokio::sync::watch::Sender<bool>,
+}
+
+/// Sets up a round's capture from `from` up to `goal` or, following,
+/// until it is stopped.
+fn start_capture<'a>(
+    from: CaptureFrom<'a>,
+    (source, log): (&'a Client, &'a Log<FsStorage>),
+    (goal, following): (Lsn, Option<Following>),
+    observe: Option<Observer>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<
+    Capture<impl std::future::Future<Output = Result<capture::CaptureStats, FlowError>> + use<'a>>,
+    FlowError,
+> {
+    let (flow, log_dir, floor) = (from.flow, from.log_dir, from.floor);
+    let (tx, rx) = tokio::sync::watch::channel(Lsn::ZERO);
+    let tx = Arc::new(tx);
+    let begun = Arc::new(tokio::sync::Notify::new());
+    let config = capture_config(from, &tx, &begun, observe.clone())?;
+    progress(&if following.is_some() {
+        format!("capture: following slot {} until SIGTERM", flow.slot())
+    } else {
+        format!("capture: streaming slot {} until {goal}", flow.slot())
+    });
+    let (failed, failed_rx) = tokio::sync::watch::channel(false);
+    let (done_tx, done) = tokio::sync::watch::channel(false);
+    let stop = capture_stop(following, goal, rx, failed_rx);
+    let native = NativeRun {
+        log_dir,
+        progress: tx,
+        begun: Arc::clone(&begun),
+        floor,
+        observe,
+    };
+    Ok(Capture {
+        run: capture_part(flow, config, (source, log), native, stop, done_tx),
+        begun,
+        done,
+        failed,
+    })
+}
+
+/// Capture of one round into the log, on the flow's capture path; `done`
+/// says when it ended, however it ended.
+async fn capture_part(
+    flow: &Flow,
+    config: CaptureConfig,
+    (source, log): (&Client, &Log<FsStorage>),
+    native: NativeRun<'_>,
+    stop: impl std::future::Future<Output = ()>,
+    done: tokio::sync::watch::Sender<bool>,
+) -> Result<capture::CaptureStats, FlowError> {
+    let result = match flow.capture {
+        CapturePath::External => capture::run_on(config, log, stop)
+            .await
+            .map_err(FlowError::from),
+        CapturePath::Native => native_capture(flow, source, log, native, stop).await,
+    };
+    let _ = done.send(true);
+    result
+}
+
+/// How the first sink's part of a round ends and tells the others. The
+/// senders are borrowed: capture and the gauges take a dropped sender
+/// for a signal, so they live as long as the round, not this part.
+struct ApplyEnds<'a> {
+    /// Following with several sinks under the flow's lock this process
+    /// holds: the first one's failure ends only its own part.
+    first_retries: bool,
+    captured: tokio::sync::watch::Receiver<bool>,
+    /// Capture stops when this part fails.
+    failed: &'a tokio::sync::watch::Sender<bool>,
+    applied: &'a tokio::sync::watch::Sender<bool>,
+}
+
+/// The first sink's part of a round: the stage (apply, or the relay
+/// role's publishing) on the log until capture ended and it took all.
+async fn apply_part(
+    stage: &mut Stage,
+    (shared, log): (&sinks::Shared<'_>, &Log<FsStorage>),
+    signals: Signals<'_>,
+    observe: Option<Observer>,
+    ends: ApplyEnds<'_>,
+) -> Result<(ApplyStats, Option<sinks::SinkOutcome>), FlowError> {
+    let flow = shared.flow;
+    let result = match stage.run(log, &flow.name, signals).await {
+        // Capture and the others go on while it retries on its own.
+        Err(e) if ends.first_retries => {
+            tracing::warn!(flow = %flow.name, error = %crate::errors::chain_of(&e), "the first sink's apply ended; it follows again on its own, the flow's other sinks go on");
+            let first = flow
+                .first_sink()
+                .expect("a flow of several sinks has a first");
+            let retried = sinks::run(shared, first, observe, ends.captured, true).await;
+            Ok((ApplyStats::default(), Some(retried)))
+        }
+        other => other.map(|stats| (stats, None)),
+    };
+    if result.is_err() {
+        let _ = ends.failed.send(true);
+    }
+    let _ = ends.applied.send(true);
+    result
+}
+
+/// What the parts of a round ended with.
+struct Ended {
+    captured: Result<capture::CaptureStats, FlowError>,
+    applied: Result<(ApplyStats, Option<sinks::SinkOutcome>), FlowError>,
+    watched: Result<(), FlowError>,
+}
+
+/// The round's report from how its parts ended; the flow's own errors
+/// come first, the watcher's after them.
+async fn finish_round(
+    (flow, role, follow, goal): (&Flow, Role, bool, Lsn),
+    (source, target): (&Client, &Client),
+    ended: Ended,
+    mut report: RunReport,
+    progress: &mut dyn FnMut(&str),
+) -> Result<RunReport, FlowError> {
+    let stats = captured_or_failed(flow, target, ended.captured).await?;
+    let (applied, retried) = ended.applied?;
     report.apply = applied;
     // The first sink's own session ended with its failure: its retries
     // did its bookkeeping (sequences) on theirs.
@@ -1046,12 +1121,11 @@ async fn run_round<W: Watch>(
         }
         None => Some(target),
     };
-    // The flow's own errors come first; the watcher's after them.
-    watched?;
+    ended.watched?;
     report.envelopes_captured = stats.envelopes;
     report.capture_duplicates_skipped = stats.duplicates_skipped;
     report.caught_up_to = (!follow).then_some(goal);
-    wrap_up(flow, role, (&source, first_target), &report, progress).await?;
+    wrap_up(flow, role, (source, first_target), &report, progress).await?;
     // A run that ends at the source's position has not got there for a
     // sink that stopped; a following one says so above and in /healthz.
     let stopped: Vec<&str> = report
@@ -1067,6 +1141,35 @@ async fn run_round<W: Watch>(
         });
     }
     Ok(report)
+}
+
+/// The round's log, and the position capture may not confirm the slot
+/// below. The relay role of a local log keeps what its apply service, in
+/// another process, has not applied: its cursor is there before the first
+/// record (an existing one stays).
+async fn open_round_log(
+    flow: &Flow,
+    role: Role,
+    sessions: &Sessions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Log<FsStorage>, Lsn), FlowError> {
+    let log = open_log(flow, &sessions.log_dir, &sessions.owner, progress)?;
+    let several = flow.sinks().len() > 1;
+    // Of several sinks, the log the others read decides what the slot may
+    // be confirmed past, not the first one's checkpoint (which a copy of
+    // its own moves ahead); a new log has only the first sink's copy.
+    let floor = if several && log.next_offset() > 0 {
+        Lsn::ZERO
+    } else {
+        checkpoint_floor(&sessions.target, &flow.name).await?
+    };
+    let followed =
+        role == Role::Relay && matches!(flow.transport, crate::config::Transport::Local { .. });
+    if (several && log.next_offset() == 0) || followed {
+        log.register_consumer(&crate::apply::first_cursor(flow))?;
+    }
+    forget_removed_sinks(flow, &log, progress);
+    Ok((log, floor))
 }
 
 /// What a round holds once its checks passed: both sessions, the log
@@ -1957,9 +2060,12 @@ async fn gauges(
     flow: &Flow,
     source: &Client,
     log: &Log<FsStorage>,
-    metrics: &crate::metrics::FlowMetrics,
+    observe: Option<&Observer>,
     mut applied: tokio::sync::watch::Receiver<bool>,
 ) {
+    let Some(metrics) = observe.map(|o| &o.metrics) else {
+        return;
+    };
     let slot = flow.slot();
     loop {
         metrics.log_bytes.set(

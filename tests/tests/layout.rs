@@ -212,3 +212,50 @@ fn a_circle_is_found() {
     );
     assert_eq!(circle(&graph, "d"), None);
 }
+
+/// The functions that compose the pipeline's parts: each stays short
+/// enough to read whole, its parts in functions of their own.
+const COMPOSITION: [(&str, &str); 5] = [
+    ("relay/src/flow.rs", "async fn run_round"),
+    ("relay/src/flow.rs", "pub async fn follow("),
+    ("relay/src/flow.rs", "async fn follow_round"),
+    ("relay/src/flow/delivery.rs", "pub async fn apply_round"),
+    ("relay/src/flow/sinks.rs", "async fn round"),
+];
+const COMPOSITION_MAX_LINES: usize = 150;
+
+/// Lines from the line holding `signature` to the first line after it that
+/// closes a block at the indentation the signature starts at.
+fn function_lines(text: &str, signature: &str) -> Option<usize> {
+    let lines: Vec<&str> = text.lines().collect();
+    let start = lines.iter().position(|l| l.contains(signature))?;
+    let first = lines.get(start)?;
+    let indent = first.len() - first.trim_start().len();
+    let close = format!("{}}}", " ".repeat(indent));
+    let end = lines
+        .iter()
+        .skip(start + 1)
+        .position(|l| l.trim_end() == close)?;
+    Some(end + 2)
+}
+
+#[test]
+fn no_composition_function_is_over_150_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut long = Vec::new();
+    for (file, signature) in COMPOSITION {
+        let text = std::fs::read_to_string(root.join(file)).expect("read the source");
+        let lines = function_lines(&text, signature)
+            .unwrap_or_else(|| panic!("{file}: `{signature}` not found"));
+        if lines > COMPOSITION_MAX_LINES {
+            long.push(format!("{file}: `{signature}` has {lines} lines"));
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "over {COMPOSITION_MAX_LINES} lines:\n{}",
+        long.join("\n")
+    );
+    let text = "fn a() {\n    x;\n}\nfn b() {\n}\n";
+    assert_eq!(function_lines(text, "fn a"), Some(3));
+}

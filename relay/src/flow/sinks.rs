@@ -43,6 +43,21 @@ pub struct Shared<'a> {
     pub droppable: &'a delivery::Droppable,
 }
 
+/// The parts of the flow's sinks after the first, each on its own target
+/// session, until capture ended and each took what it needs.
+pub async fn run_others(
+    shared: &Shared<'_>,
+    observe: Option<&Observer>,
+    captured: &tokio::sync::watch::Receiver<bool>,
+) -> Vec<SinkOutcome> {
+    let flow = shared.flow;
+    futures_util::future::join_all(flow.sinks().into_iter().skip(1).map(|sink| {
+        let observe = observe.map(|o| o.sink(&flow.name, &flow.source_id(), sink.name));
+        run(shared, sink, observe, captured.clone(), false)
+    }))
+    .await
+}
+
 /// How one sink's part of a round ended.
 #[derive(Debug)]
 pub struct SinkOutcome {
