@@ -10,6 +10,7 @@ use trellara_common::sample;
 fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("envelope");
     for (label, rows, text_len) in [
+        ("rows=1/value=32B", 1, 32),
         ("rows=100/value=32B", 100, 32),
         ("rows=1000/value=256B", 1000, 256),
     ] {

@@ -133,6 +133,8 @@ pub enum CaptureError {
     Config(String),
     #[error(transparent)]
     Lock(#[from] std::io::Error),
+    #[error("could not start capture's thread")]
+    Thread(#[source] std::io::Error),
     /// Only the simulator's crash hooks produce this.
     #[error("simulated crash at {0:?}")]
     Crashed(CrashPoint),
@@ -259,6 +261,44 @@ pub async fn run_on(
             }
             Err(err) => return Err(err),
         }
+    }
+}
+
+/// [`run_on`] on a thread of its own, with a single-thread runtime of its
+/// own. Capture and the applier then work side by side: on one thread they
+/// took turns, and while capture decoded a backlog the applier's target
+/// waited (PG 15, 20,000 single-row transactions: the first 1,500 applied
+/// in 76 ms, then 500 per 2.5 ms once capture had caught up). `shutdown`
+/// runs on that thread; a caller that goes away drops the senders it
+/// watches, which ends it there too.
+pub async fn run_on_own_thread(
+    config: CaptureConfig,
+    log: Log<FsStorage>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<CaptureStats, CaptureError> {
+    use tracing::Instrument;
+    let span = tracing::Span::current();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let thread = std::thread::Builder::new()
+        .name("trellara-capture".into())
+        .spawn(move || {
+            let result = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime.block_on(run_on(config, &log, shutdown).instrument(span)),
+                Err(e) => Err(CaptureError::Thread(e)),
+            };
+            let _ = tx.send(result);
+        })
+        .map_err(CaptureError::Thread)?;
+    match rx.await {
+        Ok(result) => result,
+        // It ended without a result: it panicked, and the panic goes on here.
+        Err(_) => match thread.join() {
+            Err(panic) => std::panic::resume_unwind(panic),
+            Ok(()) => unreachable!("the capture thread sends its result before it ends"),
+        },
     }
 }
 
@@ -522,10 +562,10 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
             continue;
         }
         // A large transaction's chunks are built and written one at a time,
-        // each followed by a yield: the applier (on this thread) reads the
-        // written chunks into its open target transaction while the next
-        // ones are built, and each of its waits on the target costs at most
-        // one chunk's build.
+        // each followed by a yield: the applier reads the written chunks
+        // into its open target transaction while the next ones are built
+        // (on its own thread in `trellara run`; the simulator's shares
+        // this one, and each of its waits costs at most one chunk's build).
         if assembler.finishing() {
             {
                 let mut emit = |env: Assembled| batch.take(env, resume, log, stream, stats, hooks);

@@ -1037,11 +1037,11 @@ async fn capture_part(
     config: CaptureConfig,
     (source, log): (&Client, &Log<FsStorage>),
     native: NativeRun<'_>,
-    stop: impl std::future::Future<Output = ()>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
     done: tokio::sync::watch::Sender<bool>,
 ) -> Result<capture::CaptureStats, FlowError> {
     let result = match flow.capture {
-        CapturePath::External => capture::run_on(config, log, stop)
+        CapturePath::External => capture::run_on_own_thread(config, log.clone(), stop)
             .await
             .map_err(FlowError::from),
         CapturePath::Native => native_capture(flow, source, log, native, stop).await,

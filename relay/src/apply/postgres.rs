@@ -313,10 +313,12 @@ impl PgTarget {
         if self.copy.as_ref().is_some_and(|c| c.statement != statement) {
             self.end_copy().await?;
         }
-        let open = match &mut self.copy {
-            Some(open) => open,
+        let open = match self.copy.take() {
+            Some(open) => self.copy.insert(open),
             None => {
-                let sink = self.client.copy_in(&statement).await?;
+                // Prepared once: every batch of a backlog opens one.
+                let prepared = self.prepared(&statement).await?;
+                let sink = self.client.copy_in(&prepared).await?;
                 self.copy.insert(OpenCopy {
                     statement,
                     table: table.qualified.clone(),
