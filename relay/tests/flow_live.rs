@@ -3745,3 +3745,62 @@ service:
     );
     terminate(&mut child);
 }
+
+/// Every run opens with `state::ensure`. State tables an older build made
+/// (one table and one column short) are completed; current ones are only
+/// looked at, so a role that may create nothing on the target passes.
+#[test]
+fn state_tables_of_an_older_build_are_completed_and_current_ones_only_checked() {
+    on_every_major(|major| {
+        let Some(cluster) = test_cluster(major, &ClusterOptions::default()) else {
+            return;
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let url = cluster.connection_string("postgres");
+        rt.block_on(async {
+            let admin = trellara_relay::flow::connect(&url, "target")
+                .await
+                .expect("connect");
+            trellara_relay::state::ensure(&admin).await.expect("state");
+            admin
+                .batch_execute(
+                    "DROP TABLE trellara.flow_stops;
+                     ALTER TABLE trellara.snapshot_tables DROP COLUMN boundary_lsn;",
+                )
+                .await
+                .expect("an older build's tables");
+            trellara_relay::state::ensure(&admin)
+                .await
+                .expect("completed");
+            let present: bool = admin
+                .query_one(
+                    "SELECT to_regclass('trellara.flow_stops') IS NOT NULL
+                        AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'trellara.snapshot_tables'::regclass
+                                    AND attname = 'boundary_lsn' AND NOT attisdropped)",
+                    &[],
+                )
+                .await
+                .expect("query")
+                .get(0);
+            assert!(present, "ensure left the older build's tables short");
+            admin
+                .batch_execute(
+                    "CREATE ROLE plain LOGIN;
+                     GRANT USAGE ON SCHEMA trellara TO plain;
+                     REVOKE CREATE ON DATABASE postgres FROM PUBLIC;",
+                )
+                .await
+                .expect("role");
+            let plain_url = url.replacen("postgres@", "plain@", 1);
+            let plain = trellara_relay::flow::connect(&plain_url, "target")
+                .await
+                .expect("connect as plain");
+            trellara_relay::state::ensure(&plain)
+                .await
+                .expect("a current schema needs no right to create");
+        });
+    });
+}
