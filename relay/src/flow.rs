@@ -1520,6 +1520,7 @@ fn open_log(
         }),
         ..LogConfig::default()
     };
+    crate::log::sweep_removed(log_dir);
     let (log, report_open) = Log::open(FsStorage::new(), log_dir, log_config)?;
     crate::identity::claim(&log, log_dir, owner)?;
     if let Some(torn) = &report_open.torn_tail {
@@ -1672,12 +1673,6 @@ async fn ensure_boundary(
     drop(shared_log);
     needs |= first_lost;
     if needs {
-        // A new boundary means a new stream: the old log cannot be applied
-        // on top of it.
-        crate::log::remove_log_dir(log_dir).map_err(|source| FlowError::LogDir {
-            path: log_dir.display().to_string(),
-            source,
-        })?;
         progress(&format!(
             "snapshot: {}",
             current.map_or("first run".to_owned(), |r| format!(
@@ -1688,7 +1683,7 @@ async fn ensure_boundary(
         // A long copy stops at a signal too; the next run plans it again
         // (an interrupted snapshot never resumes at its boundary).
         health(FlowState::Snapshotting);
-        match snapshot::run(flow, source_url, source, target, progress, stop).await {
+        match snapshot::run(flow, (source_url, log_dir), source, target, progress, stop).await {
             Ok(copied) => Ok(Start::Snapshotted(copied)),
             // Following, a stop is the end asked for; a run that was to
             // end at the source's position did not get there: an error.

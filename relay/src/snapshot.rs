@@ -29,6 +29,7 @@ use crate::crash::{CrashHooks, CrashPoint, NoCrash};
 use crate::errors::Chain;
 use crate::state::SnapshotState;
 use futures_util::{SinkExt, StreamExt};
+use std::path::Path;
 use std::time::{Duration, Instant};
 use tokio_postgres::Client;
 use trellara_common::Lsn;
@@ -58,6 +59,12 @@ pub enum SnapshotError {
         "the snapshot was stopped by a signal before its handoff (nothing of it is kept); the next run plans it again"
     )]
     Stopped,
+    #[error("could not remove the flow's old log {path}")]
+    LogDir {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("snapshot state {from} cannot become {to}")]
     Transition {
         from: &'static str,
@@ -359,13 +366,14 @@ pub struct SnapshotReport {
 /// handoff, a few statements, completes.
 pub async fn run(
     flow: &Flow,
-    source_url: &str,
+    (source_url, old_log): (&str, &Path),
     source: &Client,
     target: &Client,
     progress: &mut dyn FnMut(&str),
     stop: Option<tokio::sync::watch::Receiver<bool>>,
 ) -> Result<SnapshotReport, SnapshotError> {
     let mut io = PgSnapshot::new(flow, source_url, (source, target), stop);
+    io.old_log = Some(old_log);
     run_machine(&mut io, &flow.tables, progress, &NoCrash).await
 }
 
@@ -738,6 +746,9 @@ pub struct PgSnapshot<'a> {
     /// One sink of several copied at a boundary of its own: a temporary
     /// slot exports the snapshot, and the flow's slot is left alone.
     own_boundary: bool,
+    /// The flow's log of the stream a full snapshot replaces, removed with
+    /// the old slot once every check passed.
+    old_log: Option<&'a Path>,
 }
 
 impl<'a> PgSnapshot<'a> {
@@ -758,6 +769,7 @@ impl<'a> PgSnapshot<'a> {
             created_slot: false,
             boundary: None,
             own_boundary: false,
+            old_log: None,
         }
     }
 }
@@ -1007,6 +1019,15 @@ impl SnapshotIo for PgSnapshot<'_> {
                 ),
                 hint: "give this flow its own slot (source.slot in trellara.yml)".into(),
             });
+        }
+        // A new boundary means a new stream: the old log cannot be applied
+        // on top of it. It goes here, once the slot and publication checks
+        // passed, with the old slot.
+        if let Some(dir) = self.old_log.take() {
+            crate::log::remove_log_dir(dir).map_err(|source| SnapshotError::LogDir {
+                path: dir.display().to_string(),
+                source,
+            })?;
         }
         let dropped = existing.is_some();
         if dropped {

@@ -265,3 +265,39 @@ fn an_unreadable_watermark_is_named_and_never_read_as_a_position() {
     drop(writer(&dir));
     Log::follow(&dir, config()).unwrap();
 }
+
+/// A removal cut short by a crash (between the rename aside and the last
+/// file) leaves `.<name>.removing-<pid>` beside the log; the next removal
+/// or open of that log sweeps it, unless its process still runs.
+#[test]
+fn a_log_left_half_removed_is_swept_once_its_process_is_gone() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = root.path().join("log");
+    let (log, _) = Log::open(FsStorage::new(), &dir, config()).expect("open");
+    drop(log);
+    let mut child = std::process::Command::new("true").spawn().expect("spawn");
+    let dead = child.id();
+    child.wait().expect("wait");
+    let left = root.path().join(format!(".log.removing-{dead}"));
+    std::fs::create_dir_all(left.join("segments")).expect("left behind");
+    std::fs::write(left.join("segments/00000000000000000000.log"), b"x").expect("file");
+    let running = root
+        .path()
+        .join(format!(".log.removing-{}", std::process::id()));
+    std::fs::create_dir_all(&running).expect("in progress");
+    let other = root.path().join(".other.removing-1");
+    std::fs::create_dir_all(&other).expect("another log's");
+
+    trellara_relay::log::sweep_removed(&dir);
+    assert!(!left.exists(), "a dead process's half-removed log stays");
+    assert!(running.exists(), "a live process's removal was taken over");
+    assert!(other.exists(), "another log's leftovers were touched");
+    assert!(
+        std::fs::read_dir(&dir).expect("the log").next().is_some(),
+        "the log itself was touched"
+    );
+
+    std::fs::create_dir_all(&left).expect("left again");
+    trellara_relay::log::remove_log_dir(&dir).expect("remove");
+    assert!(!dir.exists() && !left.exists());
+}

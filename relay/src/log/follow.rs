@@ -376,16 +376,64 @@ pub fn remove_log_dir(dir: &Path) -> std::io::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
+    sweep_removed(dir);
     let aside = dir.with_file_name(format!(".{name}.removing-{}", std::process::id()));
     match std::fs::rename(dir, &aside) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e),
     }
+    remove_aside(&aside)
+}
+
+/// Removes what a [`remove_log_dir`] of `dir` that did not finish left
+/// beside it (a crash or a kill between the rename and the last file):
+/// each `.<name>.removing-<pid>` whose process is gone. One whose process
+/// still runs is that process's to finish. Best effort: what cannot be
+/// removed now is tried again next time, and never fails the caller.
+pub fn sweep_removed(dir: &Path) {
+    let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {
+        return;
+    };
+    let prefix = format!(".{}.removing-", name.to_string_lossy());
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some(pid) = file
+            .to_str()
+            .and_then(|f| f.strip_prefix(&prefix))
+            .and_then(|pid| pid.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // Another user's process (EPERM) is alive too; a reused pid only
+        // keeps it for a later sweep.
+        let alive = pid == std::process::id() as i32
+            || !matches!(
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
+                Err(nix::errno::Errno::ESRCH)
+            );
+        if alive {
+            continue;
+        }
+        if let Err(e) = remove_aside(&entry.path()) {
+            tracing::warn!(path = %entry.path().display(), error = %e, "could not remove a log left half removed; tried again next time");
+        }
+    }
+}
+
+fn remove_aside(aside: &Path) -> std::io::Result<()> {
     // A follower's commit in flight may add a file while it goes.
     let mut tries = 0;
     loop {
-        match std::fs::remove_dir_all(&aside) {
+        match std::fs::remove_dir_all(aside) {
             Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty && tries < 10 => {
                 tries += 1;
                 std::thread::sleep(Duration::from_millis(10));

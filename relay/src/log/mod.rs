@@ -70,7 +70,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLock
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use cursor::{CURSOR_FILE_LEN, CURSOR_MAGIC, CursorPosition};
 pub use error::Error;
-pub use follow::remove_log_dir;
+pub use follow::{remove_log_dir, sweep_removed};
 pub use frame::{
     CHECKSUM_SEED, Corruption, FORMAT_VERSION, FRAME_HEADER_LEN, FRAME_MAGIC, SEGMENT_HEADER_LEN,
     SEGMENT_MAGIC,
