@@ -269,8 +269,10 @@ pub async fn run_on(
 /// took turns, and while capture decoded a backlog the applier's target
 /// waited (PG 15, 20,000 single-row transactions: the first 1,500 applied
 /// in 76 ms, then 500 per 2.5 ms once capture had caught up). `shutdown`
-/// runs on that thread; a caller that goes away drops the senders it
-/// watches, which ends it there too.
+/// runs on that thread. Dropped before it ends (a round ended by a lost
+/// lock), this drops capture there and waits for the thread, as dropping
+/// capture on the caller's thread would: nothing of it writes to the log
+/// once the next round may open it.
 pub async fn run_on_own_thread(
     config: CaptureConfig,
     log: Log<FsStorage>,
@@ -279,26 +281,59 @@ pub async fn run_on_own_thread(
     use tracing::Instrument;
     let span = tracing::Span::current();
     let (tx, rx) = tokio::sync::oneshot::channel();
+    let (cancel, cancelled) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::Builder::new()
-        .name("trellara-capture".into())
+        .name("capture".into())
         .spawn(move || {
             let result = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
             {
-                Ok(runtime) => runtime.block_on(run_on(config, &log, shutdown).instrument(span)),
-                Err(e) => Err(CaptureError::Thread(e)),
+                Ok(runtime) => runtime.block_on(
+                    async {
+                        tokio::select! {
+                            result = run_on(config, &log, shutdown) => Some(result),
+                            // Its sender dropped: the caller went away.
+                            _ = cancelled => None,
+                        }
+                    }
+                    .instrument(span),
+                ),
+                Err(e) => Some(Err(CaptureError::Thread(e))),
             };
-            let _ = tx.send(result);
+            if let Some(result) = result {
+                let _ = tx.send(result);
+            }
         })
         .map_err(CaptureError::Thread)?;
+    let mut thread = Joined {
+        cancel: Some(cancel),
+        thread: Some(thread),
+    };
     match rx.await {
         Ok(result) => result,
         // It ended without a result: it panicked, and the panic goes on here.
-        Err(_) => match thread.join() {
-            Err(panic) => std::panic::resume_unwind(panic),
-            Ok(()) => unreachable!("the capture thread sends its result before it ends"),
+        Err(_) => match thread.thread.take().map(std::thread::JoinHandle::join) {
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+            _ => unreachable!("the capture thread sends its result before it ends"),
         },
+    }
+}
+
+/// The capture thread, cancelled and joined when its caller is dropped.
+struct Joined {
+    cancel: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        drop(self.cancel.take());
+        if let Some(thread) = self.thread.take() {
+            // Dropping capture there does no I/O: this waits for at most
+            // an fsync already in flight.
+            let _ = thread.join();
+        }
     }
 }
 
@@ -1033,6 +1068,70 @@ fn check_slot(
 mod tests {
     use super::*;
     use trellara_common::sample;
+
+    fn capture_threads() -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .expect("tasks")
+            .flatten()
+            .filter(|t| {
+                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "capture")
+            })
+            .count()
+    }
+
+    /// A round dropped mid-capture (its lock lost) may be followed at once
+    /// by the next, which opens the same log: the dropped one's thread
+    /// must be gone by then, not still connecting or writing.
+    #[test]
+    fn a_dropped_capture_leaves_no_thread_behind() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        // Accepts and holds every connection, saying nothing.
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in listener.incoming() {
+                held.push(stream);
+            }
+        });
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("log");
+        let config = CaptureConfig {
+            source: format!("postgresql://u@127.0.0.1:{port}/db?connect_timeout=30")
+                .parse()
+                .expect("url"),
+            slot: "s".into(),
+            publications: vec!["p".into()],
+            create_slot: false,
+            source_id: "s".into(),
+            dataset_id: "d".into(),
+            log_dir: dir.path().to_path_buf(),
+            proto_version: ProtoVersion::V2,
+            memory_budget: 1 << 20,
+            chunk_bytes: 1 << 16,
+            status_interval: Duration::from_secs(10),
+            max_backoff: Duration::from_secs(1),
+            pinned: HashMap::new(),
+            floor: Lsn::ZERO,
+            progress: None,
+            begun: None,
+            observe: None,
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let started = std::time::Instant::now();
+        runtime.block_on(async {
+            let capture = run_on_own_thread(config, log, std::future::pending());
+            let ended = tokio::time::timeout(Duration::from_millis(300), capture).await;
+            assert!(ended.is_err(), "capture of a mute peer ended: {ended:?}");
+        });
+        assert_eq!(capture_threads(), 0, "the dropped capture's thread runs on");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "dropping capture waited for its connect"
+        );
+    }
 
     #[test]
     fn resume_ignores_a_chunk_run_cut_by_a_crash() {
