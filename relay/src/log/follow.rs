@@ -131,6 +131,7 @@ impl<S: Storage> Log<S> {
         let Some(follower) = &shared.follower else {
             return Ok(false);
         };
+        super::Counters::add(&shared.counters.looks, 1);
         let mark = watermark::read(&follower.watermark, &follower.path)?;
         if mark.log_id != follower.log_id {
             return Err(Error::Replaced {
@@ -195,7 +196,11 @@ impl<S: Storage> Log<S> {
     }
 
     /// A follower waits up to `patience` for its writer to make records
-    /// past `offset` durable, looking every `poll`; false when none came.
+    /// past `offset` durable; false when none came. It wakes as the writer
+    /// rewrites the watermark file (inotify), and looks at least every
+    /// [`WAKE_FALLBACK`] besides; without inotify it looks every `poll`.
+    /// Looking every 1 ms cost an idle apply service 2.8% of a core
+    /// (`bench/idle-follow`).
     pub async fn follow_past(
         &self,
         offset: u64,
@@ -203,15 +208,93 @@ impl<S: Storage> Log<S> {
         poll: Duration,
     ) -> Result<bool, Error> {
         let deadline = tokio::time::Instant::now() + patience;
+        // Watched before the first look, so no rewrite between is missed.
+        let watch = self
+            .shared
+            .follower
+            .as_ref()
+            .and_then(|f| WatermarkWatch::new(&f.path));
         loop {
             self.refresh()?;
             if self.written_end() > offset {
                 return Ok(true);
             }
-            if tokio::time::Instant::now() + poll > deadline {
-                return Ok(false);
+            let now = tokio::time::Instant::now();
+            match &watch {
+                Some(watch) => {
+                    if now >= deadline {
+                        return Ok(false);
+                    }
+                    let look = deadline.min(now + WAKE_FALLBACK);
+                    tokio::select! {
+                        () = watch.rewritten() => {}
+                        () = tokio::time::sleep_until(look) => {}
+                    }
+                }
+                None => {
+                    if now + poll > deadline {
+                        return Ok(false);
+                    }
+                    tokio::time::sleep(poll).await;
+                }
             }
-            tokio::time::sleep(poll).await;
+        }
+    }
+}
+
+/// How often a follower woken by inotify looks anyway: an event it cannot
+/// see (the watermark file replaced by a new log's) is found by then.
+const WAKE_FALLBACK: Duration = Duration::from_millis(50);
+
+/// An inotify watch on a log's watermark file: readable when its writer
+/// rewrote it. None where inotify cannot be had (the caller polls).
+struct WatermarkWatch(tokio::io::unix::AsyncFd<InotifyFd>);
+
+struct InotifyFd(nix::sys::inotify::Inotify);
+
+impl std::os::fd::AsRawFd for InotifyFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsFd;
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+impl WatermarkWatch {
+    fn new(path: &Path) -> Option<WatermarkWatch> {
+        use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).ok()?;
+        inotify
+            .add_watch(
+                path,
+                AddWatchFlags::IN_MODIFY
+                    | AddWatchFlags::IN_DELETE_SELF
+                    | AddWatchFlags::IN_MOVE_SELF,
+            )
+            .ok()?;
+        // SAFETY: InotifyFd owns its descriptor, keeps it open while it
+        // lives, and always returns that same one.
+        unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(
+                InotifyFd(inotify),
+                tokio::io::Interest::READABLE,
+            )
+        }
+        .ok()
+        .map(WatermarkWatch)
+    }
+
+    /// Until the file was rewritten (its events read and dropped).
+    async fn rewritten(&self) {
+        loop {
+            let Ok(mut ready) = self.0.readable().await else {
+                // The reactor refused it: the fallback look stands in.
+                return std::future::pending().await;
+            };
+            match self.0.get_ref().0.read_events() {
+                Ok(_) => return,
+                Err(nix::errno::Errno::EAGAIN) => ready.clear_ready(),
+                Err(_) => return std::future::pending().await,
+            }
         }
     }
 }

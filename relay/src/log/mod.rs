@@ -140,6 +140,8 @@ pub struct LogStats {
     /// Frame bytes written (headers included).
     pub bytes: u64,
     pub segments_rolled: u64,
+    /// A follower's looks at its writer's watermark file.
+    pub looks: u64,
 }
 
 #[derive(Debug, Default)]
@@ -149,6 +151,7 @@ struct Counters {
     fsyncs: AtomicU64,
     bytes: AtomicU64,
     segments_rolled: AtomicU64,
+    looks: AtomicU64,
 }
 
 impl Counters {
@@ -609,6 +612,7 @@ impl<S: Storage> Log<S> {
             fsyncs: c.fsyncs.load(Ordering::Relaxed),
             bytes: c.bytes.load(Ordering::Relaxed),
             segments_rolled: c.segments_rolled.load(Ordering::Relaxed),
+            looks: c.looks.load(Ordering::Relaxed),
         }
     }
 

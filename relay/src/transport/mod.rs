@@ -102,7 +102,8 @@ pub trait Records {
 }
 
 /// How often a log followed from another process is looked at for what
-/// its writer made durable: the bound on what the split costs in lag.
+/// its writer made durable where no inotify watch can be had (with one,
+/// the follower wakes as the writer rewrites its watermark file).
 pub const FOLLOW_POLL: Duration = Duration::from_millis(1);
 
 /// Records in order from one position.
