@@ -1084,15 +1084,7 @@ mod tests {
     /// must be gone by then, not still connecting or writing.
     #[test]
     fn a_dropped_capture_leaves_no_thread_behind() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        // Accepts and holds every connection, saying nothing.
-        std::thread::spawn(move || {
-            let mut held = Vec::new();
-            for stream in listener.incoming() {
-                held.push(stream);
-            }
-        });
+        let port = trellara_tests::endpoints::mute_peer();
         let dir = tempfile::tempdir().expect("tempdir");
         let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("log");
         let config = CaptureConfig {

@@ -1008,15 +1008,7 @@ fn sequences(major: Major) {
 /// grader's session, the SQL sessions and the replication session alike.
 #[test]
 fn a_peer_that_never_answers_is_an_error_within_connect_timeout() {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let port = listener.local_addr().expect("addr").port();
-    // Accept and hold every connection, saying nothing.
-    std::thread::spawn(move || {
-        let mut held = Vec::new();
-        for stream in listener.incoming() {
-            held.push(stream);
-        }
-    });
+    let port = trellara_tests::endpoints::mute_peer();
     let url = format!("postgresql://u@127.0.0.1:{port}/db?connect_timeout=1");
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();

@@ -44,3 +44,18 @@ pub fn metric(metrics: &str, name: &str) -> f64 {
     assert_eq!(values.len(), 1, "one series of {name}:\n{metrics}");
     values[0]
 }
+
+/// A peer that accepts every connection and never says a word, on a free
+/// loopback port: what a hung server looks like to a client. Returns the
+/// port; the listener lives as long as the test process.
+pub fn mute_peer() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming() {
+            held.push(stream);
+        }
+    });
+    port
+}
