@@ -284,6 +284,9 @@ pub async fn run_on_own_thread(
     let (cancel, cancelled) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::Builder::new()
         .name("capture".into())
+        // The stack of the main thread it ran on before: block_on keeps the
+        // whole capture future on it.
+        .stack_size(8 << 20)
         .spawn(move || {
             let result = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -330,8 +333,9 @@ impl Drop for Joined {
     fn drop(&mut self) {
         drop(self.cancel.take());
         if let Some(thread) = self.thread.take() {
-            // Dropping capture there does no I/O: this waits for at most
-            // an fsync already in flight.
+            // Dropping capture there sends nothing and waits for no peer:
+            // this waits for its spill files' removal and for an fsync
+            // already in flight on its runtime's blocking pool.
             let _ = thread.join();
         }
     }

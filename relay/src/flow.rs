@@ -1669,7 +1669,7 @@ async fn ensure_boundary(
             Err(e) => Err(e.into()),
         };
     }
-    // Closed before the round opens it, or removes it below.
+    // Closed before the round opens it, or a full snapshot removes it.
     drop(shared_log);
     needs |= first_lost;
     if needs {

@@ -1024,10 +1024,15 @@ impl SnapshotIo for PgSnapshot<'_> {
         // on top of it. It goes here, once the slot and publication checks
         // passed, with the old slot.
         if let Some(dir) = self.old_log.take() {
-            crate::log::remove_log_dir(dir).map_err(|source| SnapshotError::LogDir {
-                path: dir.display().to_string(),
-                source,
-            })?;
+            // Off the round's thread: a large log takes a while to delete.
+            let owned = dir.to_path_buf();
+            tokio::task::spawn_blocking(move || crate::log::remove_log_dir(&owned))
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+                .map_err(|source| SnapshotError::LogDir {
+                    path: dir.display().to_string(),
+                    source,
+                })?;
         }
         let dropped = existing.is_some();
         if dropped {

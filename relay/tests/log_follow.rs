@@ -267,8 +267,10 @@ fn an_unreadable_watermark_is_named_and_never_read_as_a_position() {
 }
 
 /// A removal cut short by a crash (between the rename aside and the last
-/// file) leaves `.<name>.removing-<pid>` beside the log; the next removal
-/// or open of that log sweeps it, unless its process still runs.
+/// file) leaves `.<name>.removing-<pid>-<nonce>` beside the log; the next
+/// removal or open of that log sweeps it, unless its process still runs.
+/// One of this process's own pid that it is not removing now was left by
+/// an earlier process with the same pid (PID 1 in a container).
 #[test]
 fn a_log_left_half_removed_is_swept_once_its_process_is_gone() {
     let root = tempfile::tempdir().expect("tempdir");
@@ -278,18 +280,27 @@ fn a_log_left_half_removed_is_swept_once_its_process_is_gone() {
     let mut child = std::process::Command::new("true").spawn().expect("spawn");
     let dead = child.id();
     child.wait().expect("wait");
-    let left = root.path().join(format!(".log.removing-{dead}"));
-    std::fs::create_dir_all(left.join("segments")).expect("left behind");
-    std::fs::write(left.join("segments/00000000000000000000.log"), b"x").expect("file");
+    let left = root.path().join(format!(".log.removing-{dead}-1"));
+    std::fs::create_dir_all(left.join("cursors")).expect("left behind");
+    std::fs::write(left.join("cursors/applier"), b"x").expect("file");
+    let same_pid = root
+        .path()
+        .join(format!(".log.removing-{}-1", std::process::id()));
+    std::fs::create_dir_all(&same_pid).expect("an earlier process's");
+    let mut remover = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .expect("spawn");
     let running = root
         .path()
-        .join(format!(".log.removing-{}", std::process::id()));
+        .join(format!(".log.removing-{}-1", remover.id()));
     std::fs::create_dir_all(&running).expect("in progress");
-    let other = root.path().join(".other.removing-1");
+    let other = root.path().join(".other.removing-1-1");
     std::fs::create_dir_all(&other).expect("another log's");
 
     trellara_relay::log::sweep_removed(&dir);
     assert!(!left.exists(), "a dead process's half-removed log stays");
+    assert!(!same_pid.exists(), "an earlier process's of this pid stays");
     assert!(running.exists(), "a live process's removal was taken over");
     assert!(other.exists(), "another log's leftovers were touched");
     assert!(
@@ -300,6 +311,8 @@ fn a_log_left_half_removed_is_swept_once_its_process_is_gone() {
     std::fs::create_dir_all(&left).expect("left again");
     trellara_relay::log::remove_log_dir(&dir).expect("remove");
     assert!(!dir.exists() && !left.exists());
+    remover.kill().expect("kill");
+    let _ = remover.wait();
 }
 
 /// An idle follower waits on its writer's watermark file instead of

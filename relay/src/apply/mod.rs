@@ -892,7 +892,7 @@ impl<T: Target> Applier<T> {
             } = read;
             if !batch.is_empty() {
                 let applied = self.apply_batch(log, &batch, &mut stats, hooks);
-                if chunked.is_none() && broken.is_none() && !end {
+                if log.reads_ahead() && chunked.is_none() && broken.is_none() && !end {
                     // A full batch: more is there. Decoding it meanwhile
                     // takes the time the target spends on this one (PG 15,
                     // 500 single-row transactions: 1.3 ms of decoding,

@@ -460,20 +460,34 @@ pub fn remove_log_dir(dir: &Path) -> std::io::Result<()> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     sweep_removed(dir);
-    let aside = dir.with_file_name(format!(".{name}.removing-{}", std::process::id()));
+    // Unique, so a leftover of an earlier process that had this pid (PID 1
+    // in a container) never blocks the rename.
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let aside = dir.with_file_name(format!(".{name}.removing-{}-{nonce}", std::process::id()));
     match std::fs::rename(dir, &aside) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e),
     }
-    remove_aside(&aside)
+    relock(&REMOVING).push(aside.clone());
+    let removed = remove_aside(&aside);
+    relock(&REMOVING).retain(|a| *a != aside);
+    removed
 }
+
+/// The asides this process is removing now: one of its own pid that is
+/// not here was left by an earlier process with that pid, or by a removal
+/// here that failed.
+static REMOVING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 /// Removes what a [`remove_log_dir`] of `dir` that did not finish left
 /// beside it (a crash or a kill between the rename and the last file):
-/// each `.<name>.removing-<pid>` whose process is gone. One whose process
-/// still runs is that process's to finish. Best effort: what cannot be
-/// removed now is tried again next time, and never fails the caller.
+/// each `.<name>.removing-<pid>-<nonce>` whose process is gone. One whose
+/// process still runs is that process's to finish. Best effort: what
+/// cannot be removed now is tried again next time, and never fails the
+/// caller.
 pub fn sweep_removed(dir: &Path) {
     let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {
         return;
@@ -492,17 +506,21 @@ pub fn sweep_removed(dir: &Path) {
         let Some(pid) = file
             .to_str()
             .and_then(|f| f.strip_prefix(&prefix))
+            .and_then(|rest| rest.split('-').next())
             .and_then(|pid| pid.parse::<i32>().ok())
         else {
             continue;
         };
         // Another user's process (EPERM) is alive too; a reused pid only
         // keeps it for a later sweep.
-        let alive = pid == std::process::id() as i32
-            || !matches!(
+        let alive = if pid == std::process::id() as i32 {
+            relock(&REMOVING).contains(&entry.path())
+        } else {
+            !matches!(
                 nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
                 Err(nix::errno::Errno::ESRCH)
-            );
+            )
+        };
         if alive {
             continue;
         }

@@ -99,6 +99,13 @@ pub trait Records {
         let _ = (offset, patience);
         false
     }
+    /// Whether the applier may read its next batch while the current one
+    /// commits: only where a read never blocks. A topic's read waits for
+    /// its broker (up to 500 ms of quiet), and the commit in flight beside
+    /// it would wait as long, its rows locked.
+    fn reads_ahead(&self) -> bool {
+        false
+    }
 }
 
 /// How often a log followed from another process is looked at for what
@@ -165,6 +172,11 @@ impl<S: Storage> Records for Log<S> {
             true
         };
         tokio::time::timeout(patience, more).await.unwrap_or(false)
+    }
+
+    /// Its reads are of files already written: they never wait.
+    fn reads_ahead(&self) -> bool {
+        true
     }
 }
 
