@@ -444,8 +444,8 @@ enum ChunkStep {
 /// What one read of the log gives the applier: whole transactions up to a
 /// batch's bounds, and why it stopped short of them.
 #[derive(Default)]
-struct Batch {
-    batch: Vec<SourceTxn>,
+struct Read {
+    txns: Vec<SourceTxn>,
     /// The first chunk of a chunked transaction, applied on its own.
     chunked: Option<(Box<Envelope>, crate::log::Record)>,
     /// (offset, commit LSN, reason, payload) of an envelope that fails to decode.
@@ -466,14 +466,14 @@ async fn read_batch<D: RecordReader>(
     pending: &mut Option<crate::log::Record>,
     owner: &Owner<'_>,
     interleaved: bool,
-) -> Result<Batch, ApplyError> {
-    let mut read = Batch::default();
+) -> Result<Read, ApplyError> {
+    let mut read = Read::default();
     let mut rows = 0usize;
-    while read.batch.len() < BATCH_TRANSACTIONS && rows < BATCH_ROWS {
+    while read.txns.len() < BATCH_TRANSACTIONS && rows < BATCH_ROWS {
         match next_transaction(reader, pending, owner)? {
             Next::Txn(txn) => {
                 rows += txn.rows;
-                read.batch.push(txn);
+                read.txns.push(txn);
             }
             Next::Chunked(first, record) => {
                 read.chunked = Some((first, record));
@@ -490,7 +490,7 @@ async fn read_batch<D: RecordReader>(
                 break;
             }
         }
-        if interleaved && read.batch.len().is_multiple_of(READ_AHEAD_YIELD) {
+        if interleaved && read.txns.len().is_multiple_of(READ_AHEAD_YIELD) {
             tokio::task::yield_now().await;
         }
     }
@@ -884,8 +884,8 @@ impl<T: Target> Applier<T> {
                 Some(read) => read,
                 None => read_batch(&mut reader, &mut pending, &owner, false).await?,
             };
-            let Batch {
-                batch,
+            let Read {
+                txns: batch,
                 chunked,
                 broken,
                 end,

@@ -471,16 +471,19 @@ pub fn remove_log_dir(dir: &Path) -> std::io::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e),
     }
-    relock(&REMOVING).push(aside.clone());
+    // By name: the sweep lists the parent, which may spell the path
+    // otherwise (`./x` for `x`); the nonce makes the name unique.
+    let named = aside.file_name().map(std::ffi::OsStr::to_os_string);
+    relock(&REMOVING).extend(named.clone());
     let removed = remove_aside(&aside);
-    relock(&REMOVING).retain(|a| *a != aside);
+    relock(&REMOVING).retain(|a| Some(a) != named.as_ref());
     removed
 }
 
-/// The asides this process is removing now: one of its own pid that is
-/// not here was left by an earlier process with that pid, or by a removal
-/// here that failed.
-static REMOVING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+/// The asides this process is removing now, by file name: one of its own
+/// pid that is not here was left by an earlier process with that pid, or
+/// by a removal here that failed.
+static REMOVING: Mutex<Vec<std::ffi::OsString>> = Mutex::new(Vec::new());
 
 /// Removes what a [`remove_log_dir`] of `dir` that did not finish left
 /// beside it (a crash or a kill between the rename and the last file):
@@ -514,7 +517,7 @@ pub fn sweep_removed(dir: &Path) {
         // Another user's process (EPERM) is alive too; a reused pid only
         // keeps it for a later sweep.
         let alive = if pid == std::process::id() as i32 {
-            relock(&REMOVING).contains(&entry.path())
+            relock(&REMOVING).contains(&file)
         } else {
             !matches!(
                 nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
