@@ -5,7 +5,8 @@
 //! `trellara.yml` model ([`config`]), files only their owner may read
 //! ([`owner_only`]), secrets kept out of messages ([`redact`]), table
 //! names as SQL spells them ([`table_name`]), replication slot names
-//! ([`slot_name`]), whether a server's error may pass on a retry
+//! ([`slot_name`]), one transaction's changes spooled and cut into
+//! envelopes by both capture paths ([`spool`]), whether a server's error may pass on a retry
 //! ([`retry`]), and the one way a failure prints with its causes
 //! ([`errors`]).
 
@@ -27,6 +28,8 @@ pub mod retry;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod sample;
 pub mod slot_name;
+#[cfg(feature = "envelope")]
+pub mod spool;
 pub mod table_name;
 
 pub use lsn::Lsn;

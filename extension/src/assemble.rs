@@ -1,95 +1,151 @@
-//! One decoded transaction: its changes in a [`ChangeLog`], the relation
-//! schema versions they refer to, and the commit-time assembly into
-//! envelope v1 bytes.
+//! One decoded transaction: its changes in the shared [`Spool`] (which
+//! plans the chunks as they arrive), the relation schema versions they
+//! refer to, and the commit-time assembly into envelope v1 bytes.
 //!
 //! ```text
-//!  push(Change) ─▶ ChangeLog ── commit ──▶ pass 1: plan_chunks (lengths only)
-//!                                          pass 2: per chunk, decode its changes,
-//!                                          attach the relations they use, set the
-//!                                          boundary, envelope::encode (validates)
-//!                                          ─▶ emit(index, count, bytes)
+//!  push(Change) ─▶ Spool (chunk planned on arrival) ── commit ──▶ per chunk: decode
+//!                  its changes, attach the relations they use, set the boundary,
+//!                  envelope::encode (validates) ─▶ emit(index, count, bytes)
 //! ```
 //!
 //! Invariants:
 //! - Every emitted envelope is valid on its own (`envelope::encode` checked
 //!   it) and at most `chunk_bytes` long, unless it holds a single change that
-//!   alone exceeds the target.
+//!   alone exceeds the target: the spool plans relations and changes within
+//!   `chunk_bytes` less [`header_bound`], the most the rest can take.
 //! - One chunk: `MODE_WHOLE`; more: `MODE_CHUNKED` with `chunk_index`,
 //!   `chunk_count`, `first_sequence`, `total_changes`, changes in order.
-//! - Memory at commit is bounded by one chunk's changes plus the change log's
+//! - Memory at commit is bounded by one chunk's changes plus the spool's
 //!   budget. Pure Rust: unit-testable without a server.
 
 use std::path::PathBuf;
 
 use prost::Message as _;
 use trellara_common::envelope::{
-    self, Boundary, Change, Envelope, RelationSchema, boundary, change,
+    self, Boundary, Capture, Change, Envelope, RelationSchema, SourceIdentity, boundary, capture,
+    change,
 };
+use trellara_common::spool::{RelationUse, Spool};
 
 use crate::error::PluginError;
-use crate::spill::{self, ChangeLog, NO_RELATION};
+
+/// Longest replication origin name (NAMEDATALEN - 1 bytes).
+const ORIGIN_MAX: usize = 63;
+
+/// The most bytes an envelope of `source` takes besides its relations and
+/// changes: every other field at the widest value it can hold.
+pub fn header_bound(source: &SourceIdentity, server_version_num: u32, decoder: &str) -> usize {
+    Envelope {
+        protocol_version: envelope::PROTOCOL_VERSION,
+        source: Some(SourceIdentity {
+            timeline: u32::MAX,
+            ..source.clone()
+        }),
+        xid: u64::MAX,
+        begin_lsn: u64::MAX,
+        commit_lsn: u64::MAX,
+        end_lsn: u64::MAX,
+        commit_time_micros: i64::MIN,
+        relations: Vec::new(),
+        changes: Vec::new(),
+        boundary: Some(Boundary {
+            mode: boundary::Mode::Chunked as i32,
+            chunk_index: u32::MAX,
+            chunk_count: u32::MAX,
+            first_sequence: u64::MAX,
+            total_changes: u64::MAX,
+            partition: 0,
+            manifest_partitions: Vec::new(),
+        }),
+        origin: "o".repeat(ORIGIN_MAX),
+        capture: Some(Capture {
+            path: capture::Path::Native as i32,
+            server_version_num,
+            decoder: decoder.into(),
+            captured_at_micros: i64::MIN,
+        }),
+        checksum: u64::MAX,
+    }
+    .encoded_len()
+}
 
 #[derive(Debug)]
 pub struct Transaction {
-    log: ChangeLog,
-    /// Relation schemas the changes refer to; a record's relation version
-    /// indexes this list. A relation whose schema changes mid-transaction
-    /// has several versions.
-    versions: Vec<RelationSchema>,
-    version_lens: Vec<(u32, usize)>,
+    spool: Spool,
+    /// Relation schemas the changes refer to; a record's tag indexes this
+    /// list. A relation whose schema changes mid-transaction has several
+    /// versions.
+    versions: Vec<(RelationSchema, usize)>,
     scratch: Vec<u8>,
 }
 
 impl Transaction {
-    pub fn new(memory_budget: usize, spill_dir: PathBuf) -> Self {
+    /// A transaction holding up to `memory_budget` bytes of changes in
+    /// memory, cut into envelopes of at most `chunk_bytes`, of which
+    /// `header` ([`header_bound`]) go to the fields besides relations and
+    /// changes.
+    pub fn new(
+        memory_budget: usize,
+        spill_dir: PathBuf,
+        chunk_bytes: usize,
+        header: usize,
+    ) -> Self {
         Transaction {
-            log: ChangeLog::new(memory_budget, spill_dir),
+            spool: Spool::new(memory_budget, spill_dir, chunk_bytes.saturating_sub(header)),
             versions: Vec::new(),
-            version_lens: Vec::new(),
             scratch: Vec::new(),
         }
     }
 
     /// Number of changes so far.
     pub fn len(&self) -> u64 {
-        self.log.len()
+        self.spool.records()
     }
 
-    /// Bytes of encoded changes so far.
+    /// Bytes of spooled changes so far.
     pub fn bytes(&self) -> u64 {
-        self.log.bytes()
+        self.spool.mark().bytes
     }
 
     /// The version index of `schema` (`encoded_len` is its protobuf length),
     /// adding it if this exact schema is new to the transaction.
     pub fn version_of(&mut self, schema: &RelationSchema, encoded_len: usize) -> u32 {
-        let found = self.versions.iter().position(|v| {
+        let found = self.versions.iter().position(|(v, _)| {
             v.relation_id == schema.relation_id && v.fingerprint == schema.fingerprint
         });
         let index = found.unwrap_or_else(|| {
-            self.versions.push(schema.clone());
-            self.version_lens.push((schema.relation_id, encoded_len));
+            self.versions.push((schema.clone(), encoded_len));
             self.versions.len() - 1
         });
         index as u32
     }
 
-    /// Appends the next change (sequence numbers are assigned here). Returns
-    /// true when this push moved the log to its spill file.
+    /// Appends the next change (sequence numbers are assigned here); a row
+    /// names its relation `version`, anything else
+    /// [`NO_RELATION`](trellara_common::spool::NO_RELATION). Returns
+    /// true when this push moved the transaction to its spill file.
     pub fn push(&mut self, version: u32, body: change::Body) -> Result<bool, PluginError> {
         let change = Change {
-            sequence: self.log.len(),
+            sequence: self.spool.records(),
             body: Some(body),
         };
         self.scratch.clear();
         change
             .encode(&mut self.scratch)
             .map_err(|e| PluginError::internal(format!("trellara: encoding a change: {e}")))?;
-        let spilled = self.log.spilled();
-        self.log
-            .push(version, &self.scratch)
+        let relation = self
+            .versions
+            .get(version as usize)
+            .map(|(schema, encoded_len)| RelationUse {
+                key: version,
+                id: schema.relation_id,
+                encoded_len: *encoded_len,
+            });
+        let spilled = self.spool.is_spilled();
+        self.spool
+            .push(&self.scratch, relation)
             .map_err(|e| PluginError::io("append to the transaction's spill file", &e))?;
-        Ok(!spilled && self.log.spilled())
+        Ok(!spilled && self.spool.is_spilled())
     }
 
     /// Builds the transaction's envelopes from `template` (every header
@@ -97,71 +153,45 @@ impl Transaction {
     /// hands each, in order, to `emit(chunk_index, chunk_count, bytes)`.
     /// Emits nothing for a transaction without changes.
     pub fn assemble(
-        &mut self,
+        self,
         mut template: Envelope,
-        chunk_bytes: usize,
         mut emit: impl FnMut(u32, u32, &[u8]) -> Result<(), PluginError>,
     ) -> Result<(), PluginError> {
-        let total = self.log.len();
+        let io = |what: &'static str| move |e: std::io::Error| PluginError::io(what, &e);
+        let mut planned = self.spool.finish().map_err(io("rewind the change log"))?;
+        let total = planned.total();
         if total == 0 {
             return Ok(());
         }
-        // An upper bound on everything but relations and changes: the
-        // boundary and checksum hold the largest values they can take.
-        template.relations.clear();
-        template.changes.clear();
-        template.boundary = Some(Boundary {
-            mode: boundary::Mode::Chunked as i32,
-            chunk_index: u32::MAX,
-            chunk_count: u32::MAX,
-            first_sequence: total,
-            total_changes: total,
-            partition: 0,
-            manifest_partitions: Vec::new(),
-        });
-        template.checksum = u64::MAX;
-        let base = template.encoded_len();
-        let io = |what: &'static str| move |e: std::io::Error| PluginError::io(what, &e);
-        let plans = {
-            let mut reader = self.log.reader().map_err(io("rewind the change log"))?;
-            spill::plan_chunks(&mut reader, base, chunk_bytes, &self.version_lens)
-                .map_err(io("read the change log"))?
-        };
-        let count = u32::try_from(plans.len())
-            .map_err(|_| PluginError::internal("trellara: more than u32::MAX chunks"))?;
-        let whole = count == 1;
-        let mut reader = self.log.reader().map_err(io("rewind the change log"))?;
-        let mut payload = Vec::new();
-        for (index, plan) in (0u32..).zip(plans.iter()) {
-            let mut changes = Vec::with_capacity(usize::try_from(plan.count).unwrap_or(0));
-            let mut used: Vec<u32> = Vec::new();
-            for _ in 0..plan.count {
-                let version = reader
-                    .next_into(&mut payload)
+        for index in 0..planned.count() {
+            let (span, chunk) = planned
+                .chunk(index)
+                .ok_or_else(|| PluginError::internal("trellara: more than u32::MAX chunks"))?;
+            template.relations = chunk
+                .keys()
+                .filter_map(|v| self.versions.get(v as usize).map(|(r, _)| r.clone()))
+                .collect();
+            let mut changes = Vec::with_capacity(usize::try_from(span.changes).unwrap_or(0));
+            for _ in 0..span.changes {
+                let (_, record) = planned
+                    .next_record()
                     .map_err(io("read the change log"))?
                     .ok_or_else(|| PluginError::internal("trellara: change log ended early"))?;
-                let change = Change::decode(payload.as_slice()).map_err(|e| {
+                let change = Change::decode(record).map_err(|e| {
                     PluginError::internal(format!("trellara: change log record unreadable: {e}"))
                 })?;
-                if version != NO_RELATION && !used.contains(&version) {
-                    used.push(version);
-                }
                 changes.push(change);
             }
-            template.relations = used
-                .iter()
-                .filter_map(|v| self.versions.get(*v as usize).cloned())
-                .collect();
             template.changes = changes;
             template.boundary = Some(Boundary {
-                mode: if whole {
+                mode: if span.count == 1 {
                     boundary::Mode::Whole
                 } else {
                     boundary::Mode::Chunked
                 } as i32,
-                chunk_index: index,
-                chunk_count: count,
-                first_sequence: plan.first_sequence,
+                chunk_index: span.index,
+                chunk_count: span.count,
+                first_sequence: span.first_sequence,
                 total_changes: total,
                 partition: 0,
                 manifest_partitions: Vec::new(),
@@ -173,7 +203,7 @@ impl Transaction {
                     template.xid, template.commit_lsn
                 ))
             })?;
-            emit(index, count, &bytes)?;
+            emit(span.index, span.count, &bytes)?;
         }
         Ok(())
     }
@@ -188,6 +218,7 @@ mod tests {
     };
     use trellara_common::fingerprint::fingerprint;
     use trellara_common::sample;
+    use trellara_common::spool::NO_RELATION;
 
     fn dir() -> PathBuf {
         std::env::temp_dir().join(format!("trellara-assemble-test-{}", std::process::id()))
@@ -266,7 +297,15 @@ mod tests {
             budget in prop_oneof![Just(0usize), Just(usize::MAX), 0usize..20_000],
         ) {
             let versions = versions();
-            let mut txn = Transaction::new(budget, dir());
+            let mut template = sample::insert_transaction(0, 0);
+            template.boundary = None;
+            let capture = template.capture.clone().unwrap_or_default();
+            let header = header_bound(
+                &template.source.clone().unwrap_or_default(),
+                capture.server_version_num,
+                &capture.decoder,
+            );
+            let mut txn = Transaction::new(budget, dir(), chunk_bytes, header);
             let mut pushed = Vec::new();
             for (i, op) in ops.iter().enumerate() {
                 let version = match op {
@@ -280,10 +319,8 @@ mod tests {
                 pushed.push(body.clone());
                 txn.push(version, body).map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
             }
-            let mut template = sample::insert_transaction(0, 0);
-            template.boundary = None;
             let mut out: Vec<(u32, u32, Vec<u8>)> = Vec::new();
-            txn.assemble(template, chunk_bytes, |i, n, bytes| {
+            txn.assemble(template, |i, n, bytes| {
                 out.push((i, n, bytes.to_vec()));
                 Ok(())
             })
@@ -313,9 +350,9 @@ mod tests {
 
     #[test]
     fn empty_transactions_emit_nothing() {
-        let mut txn = Transaction::new(0, dir());
+        let txn = Transaction::new(0, dir(), 4096, 0);
         let mut called = false;
-        let result = txn.assemble(sample::insert_transaction(0, 0), 4096, |_, _, _| {
+        let result = txn.assemble(sample::insert_transaction(0, 0), |_, _, _| {
             called = true;
             Ok(())
         });

@@ -5,7 +5,7 @@
 //!  WAL ─▶ logical decoding (reorder buffer) ─▶ plugin.rs: `trellara` output plugin
 //!                                               │ one Envelope v1 per committed txn
 //!                                               │ (assemble.rs: chunked beyond chunk_bytes;
-//!                                               │  spill.rs: memory bounded by a budget)
+//!                                               │  trellara_common::spool: memory bounded)
 //!                                               ▼
 //!                                 native frames (trellara_common::native_frame)
 //!                                               │ one OutputPluginWrite per frame
@@ -35,7 +35,6 @@ mod options;
 mod plugin;
 mod relation;
 mod shmem;
-mod spill;
 mod worker;
 
 pgrx::pg_module_magic!();

@@ -2,9 +2,9 @@
 //!
 //! ```text
 //!  reorder buffer (PostgreSQL)          this module                       writer
-//!  begin ───────────────────────────▶ new ChangeLog (budget, spill)
-//!  change / truncate / message ─────▶ Change{sequence} encoded ─▶ log
-//!  commit ──────────────────────────▶ plan chunks ─▶ Envelope v1 (encode
+//!  begin ───────────────────────────▶ new Spool (budget, spill, chunk target)
+//!  change / truncate / message ─────▶ Change{sequence} encoded ─▶ spool, chunk planned
+//!  commit ──────────────────────────▶ per chunk ─▶ Envelope v1 (encode
 //!                                     validates) ─▶ frames ≤ max_frame_bytes
 //!                                     ─▶ one OutputPluginWrite per frame ──▶ SQL rows |
 //!                                                                             walsender |
@@ -40,12 +40,12 @@ use trellara_common::envelope::{
     RowChange, SourceIdentity, capture, change,
 };
 use trellara_common::native_frame::FrameWriter;
+use trellara_common::spool::NO_RELATION;
 
-use crate::assemble::Transaction;
+use crate::assemble::{self, Transaction};
 use crate::error::PluginError;
 use crate::options::{self, Options, OriginFilter};
 use crate::relation::{Deformer, Image, RelationCache, RelationInfo, owned_str};
-use crate::spill::NO_RELATION;
 
 /// The decoder name carried in `capture.decoder`.
 const DECODER: &str = "trellara/1";
@@ -332,12 +332,20 @@ unsafe extern "C-unwind" fn tr_begin(
     // SAFETY: called with the context startup initialised.
     let state = unsafe { state(ctx) };
     // SAFETY: begin runs inside the decoding transaction.
-    if let Err(err) = unsafe { source(state) } {
-        err.raise();
-    }
+    let source = match unsafe { source(state) } {
+        Ok(source) => source,
+        Err(err) => err.raise(),
+    };
+    let header = assemble::header_bound(
+        &source_identity(&state.options, source, 0),
+        state.server_version_num,
+        DECODER,
+    );
     state.txn = Some(Transaction::new(
         state.options.memory_budget_bytes,
         state.spill_dir.clone(),
+        state.options.chunk_bytes,
+        header,
     ));
 }
 
@@ -715,6 +723,16 @@ unsafe fn origin_name(origin_id: pg_sys::RepOriginId) -> Result<String, PluginEr
     }
 }
 
+fn source_identity(options: &Options, source: Source, timeline: u32) -> SourceIdentity {
+    SourceIdentity {
+        source_id: options.source_id.clone().unwrap_or_default(),
+        dataset_id: source.dataset_id,
+        system_identifier: source.system_identifier,
+        database: source.database,
+        timeline,
+    }
+}
+
 /// Builds and writes the transaction's envelopes as frames.
 ///
 /// # Safety
@@ -726,7 +744,7 @@ unsafe fn commit(
 ) -> Result<(), PluginError> {
     // SAFETY: state from startup.
     let state = unsafe { state(ctx) };
-    let Some(mut buffer) = state.txn.take() else {
+    let Some(buffer) = state.txn.take() else {
         return Err(PluginError::internal("trellara: commit without begin"));
     };
     if buffer.len() == 0 {
@@ -754,13 +772,7 @@ unsafe fn commit(
     };
     let template = Envelope {
         protocol_version: PROTOCOL_VERSION,
-        source: Some(SourceIdentity {
-            source_id: state.options.source_id.clone().unwrap_or_default(),
-            dataset_id: source.dataset_id,
-            system_identifier: source.system_identifier,
-            database: source.database,
-            timeline,
-        }),
+        source: Some(source_identity(&state.options, source, timeline)),
         xid: u64::from(xid.into_inner()),
         begin_lsn: first_lsn,
         commit_lsn,
@@ -780,35 +792,31 @@ unsafe fn commit(
     };
     let max_frame_bytes = state.options.max_frame_bytes;
     let frame = &mut state.frame;
-    buffer.assemble(
-        template,
-        state.options.chunk_bytes,
-        |index, count, bytes| {
-            let last_envelope = index + 1 == count;
-            let mut frames = FrameWriter::new(commit_lsn, index, bytes, max_frame_bytes)
-                .map_err(|e| PluginError::internal(format!("trellara: framing: {e}")))?;
-            let frame_count = frames.frame_count();
-            let mut written = 0;
-            loop {
-                frame.clear();
-                if !frames.write_next(frame) {
-                    return Ok(());
-                }
-                written += 1;
-                let last = last_envelope && written == frame_count;
-                let len = c_int::try_from(frame.len())
-                    .map_err(|_| PluginError::internal("trellara: frame too long"))?;
-                // SAFETY: writes are accepted in the commit callback; the
-                // writer's prepare_write resets or prefixes ctx->out, then we
-                // append exactly one frame and hand it to the writer.
-                unsafe {
-                    pg_sys::OutputPluginPrepareWrite(ctx, last);
-                    pg_sys::appendBinaryStringInfo((*ctx).out, frame.as_ptr().cast(), len);
-                    pg_sys::OutputPluginWrite(ctx, last);
-                }
+    buffer.assemble(template, |index, count, bytes| {
+        let last_envelope = index + 1 == count;
+        let mut frames = FrameWriter::new(commit_lsn, index, bytes, max_frame_bytes)
+            .map_err(|e| PluginError::internal(format!("trellara: framing: {e}")))?;
+        let frame_count = frames.frame_count();
+        let mut written = 0;
+        loop {
+            frame.clear();
+            if !frames.write_next(frame) {
+                return Ok(());
             }
-        },
-    )
+            written += 1;
+            let last = last_envelope && written == frame_count;
+            let len = c_int::try_from(frame.len())
+                .map_err(|_| PluginError::internal("trellara: frame too long"))?;
+            // SAFETY: writes are accepted in the commit callback; the
+            // writer's prepare_write resets or prefixes ctx->out, then we
+            // append exactly one frame and hand it to the writer.
+            unsafe {
+                pg_sys::OutputPluginPrepareWrite(ctx, last);
+                pg_sys::appendBinaryStringInfo((*ctx).out, frame.as_ptr().cast(), len);
+                pg_sys::OutputPluginWrite(ctx, last);
+            }
+        }
+    })
 }
 
 fn two_phase_error(callback: &str, txn: *mut pg_sys::ReorderBufferTXN) -> PluginError {

@@ -14,7 +14,8 @@
 //!   on Stream Abort - only the aborted subtransaction's changes and those
 //!   after them, as PostgreSQL's own apply worker does, on a subtransaction
 //!   abort.
-//! * Memory is bounded: every transaction's changes go to a [`Spool`] that
+//! * Memory is bounded: every transaction's changes go to a [`Spool`] (the
+//!   one the extension uses too) that
 //!   spills past `memory_budget`; at commit the changes are read back one
 //!   chunk (at most `chunk_bytes` of changes) at a time, and each chunk is
 //!   handed over before the next is built, so the caller can write it (and
@@ -31,7 +32,6 @@
 //! * A row for a relation whose metadata never arrived fails closed.
 
 use crate::pgoutput::{self, Column, Message, OldKind};
-use crate::spool::{Mark, Spool};
 use prost::Message as _;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -41,6 +41,7 @@ use trellara_common::envelope::{
     boundary, capture, change, value,
 };
 use trellara_common::fingerprint::fingerprint;
+use trellara_common::spool::{Mark, Planned, RelationUse, Spool};
 use trellara_common::table_name::TableName;
 
 #[derive(Debug, Clone)]
@@ -51,8 +52,8 @@ pub struct AssemblerConfig {
     pub decoder: String,
     /// In-memory bytes per transaction before its changes spill to disk.
     pub memory_budget: usize,
-    /// Changes per envelope, in encoded bytes; a larger transaction becomes
-    /// several chunked envelopes.
+    /// Relations and changes per envelope, in encoded bytes; a larger
+    /// transaction becomes several chunked envelopes.
     pub chunk_bytes: usize,
     pub spill_dir: PathBuf,
     /// Fingerprints pinned before capture started, by `namespace.name`.
@@ -114,76 +115,30 @@ struct Txn {
     xid: u32,
     begin_lsn: u64,
     origin: String,
+    /// Its changes, planned into chunks as they come: at commit each chunk
+    /// is framed from the spooled bytes as they are.
     spool: Spool,
-    /// Schema of every relation a change refers to, as of its first use.
-    relations: BTreeMap<u32, RelationSchema>,
+    /// Schema of every relation a change refers to, as of its first use,
+    /// and its encoded length.
+    relations: BTreeMap<u32, (RelationSchema, usize)>,
     /// Where each subtransaction's first change starts (streamed only).
     subxacts: HashMap<u32, Mark>,
-    /// Its chunks, planned as changes come: at commit each is framed from
-    /// the spooled bytes as they are.
-    chunks: Vec<PlannedChunk>,
-    /// Envelope bytes the last chunk's changes take so far.
-    last_chunk_bytes: usize,
-}
-
-/// Where a chunk starts, and the relations its rows use.
-#[derive(Debug, Clone)]
-struct PlannedChunk {
-    start: Mark,
-    relations: Vec<u32>,
 }
 
 impl Txn {
-    fn new(xid: u32, begin_lsn: u64, budget: usize) -> Self {
+    fn new(xid: u32, begin_lsn: u64, config: &AssemblerConfig) -> Self {
         Txn {
             xid,
             begin_lsn,
             origin: String::new(),
-            spool: Spool::new(budget),
+            spool: Spool::new(
+                config.memory_budget,
+                config.spill_dir.clone(),
+                config.chunk_bytes,
+            ),
             relations: BTreeMap::new(),
             subxacts: HashMap::new(),
-            chunks: vec![PlannedChunk {
-                start: Mark::default(),
-                relations: Vec::new(),
-            }],
-            last_chunk_bytes: 0,
         }
-    }
-
-    /// Plans the change about to be spooled (`len` encoded bytes, a row of
-    /// `relation` or none): a chunk ends before a change that would take
-    /// it past `limit`.
-    fn plan(&mut self, len: usize, relation: Option<u32>, limit: usize) {
-        let size = len + CHANGE_FRAMING_BOUND;
-        if self.last_chunk_bytes > 0 && self.last_chunk_bytes + size > limit {
-            self.chunks.push(PlannedChunk {
-                start: self.spool.mark(),
-                relations: Vec::new(),
-            });
-            self.last_chunk_bytes = 0;
-        }
-        self.last_chunk_bytes += size;
-        let chunk = self.chunks.last_mut().expect("a transaction has a chunk");
-        if let Some(id) = relation
-            && let Err(at) = chunk.relations.binary_search(&id)
-        {
-            chunk.relations.insert(at, id);
-        }
-    }
-
-    /// Forgets every change after `mark` (a subtransaction abort), and the
-    /// chunks that started after it. The last chunk kept may keep a relation
-    /// only the forgotten rows used: an extra schema, never a missing one.
-    fn truncate(&mut self, mark: Mark) -> std::io::Result<()> {
-        self.spool.truncate(mark)?;
-        self.chunks
-            .retain(|c| c.start.records == 0 || c.start.records < mark.records);
-        let last = self.chunks.last().expect("a transaction has a chunk").start;
-        // Spooled records carry a 4-byte length; planned ones the framing
-        // bound.
-        self.last_chunk_bytes = (mark.bytes - last.bytes) as usize
-            + (mark.records - last.records) as usize * (CHANGE_FRAMING_BOUND - 4);
-        Ok(())
     }
 }
 
@@ -280,11 +235,7 @@ impl Assembler {
                 } else {
                     begin.final_lsn
                 };
-                self.open = Open::Plain(Box::new(Txn::new(
-                    begin.xid,
-                    first,
-                    self.config.memory_budget,
-                )));
+                self.open = Open::Plain(Box::new(Txn::new(begin.xid, first, &self.config)));
             }
             Message::Commit(commit) => {
                 let Open::Plain(txn) = std::mem::replace(&mut self.open, Open::None) else {
@@ -311,10 +262,10 @@ impl Assembler {
                 if !start.first_segment && !self.streams.contains_key(&start.xid) {
                     return Err(AssemblyError::UnknownStream { xid: start.xid }.into());
                 }
-                let budget = self.config.memory_budget;
+                let config = &self.config;
                 self.streams
                     .entry(start.xid)
-                    .or_insert_with(|| Txn::new(start.xid, wal_start, budget));
+                    .or_insert_with(|| Txn::new(start.xid, wal_start, config));
                 self.open = Open::Stream(start.xid);
             }
             Message::StreamStop => self.open = Open::None,
@@ -338,10 +289,12 @@ impl Assembler {
                 } else if let Some(txn) = self.streams.get_mut(&abort.xid)
                     && let Some(mark) = txn.subxacts.get(&abort.subxid).copied()
                 {
-                    txn.truncate(mark).map_err(|source| AssemblyError::Spill {
-                        xid: abort.xid,
-                        source,
-                    })?;
+                    txn.spool
+                        .truncate(mark)
+                        .map_err(|source| AssemblyError::Spill {
+                            xid: abort.xid,
+                            source,
+                        })?;
                     // Subtransactions that started after the aborted one
                     // went with it.
                     txn.subxacts.retain(|_, m| m.bytes < mark.bytes);
@@ -549,8 +502,6 @@ impl Assembler {
         subxid: Option<u32>,
         message: &'static str,
     ) -> Result<(), AssemblyError> {
-        let spill_dir = self.config.spill_dir.clone();
-        let limit = self.config.chunk_bytes;
         let txn = self
             .current()
             .ok_or(AssemblyError::OutsideTransaction { message })?;
@@ -568,23 +519,33 @@ impl Assembler {
         if let Some(relation) = relation {
             txn.relations
                 .entry(relation.relation_id)
-                .or_insert(relation);
+                .or_insert_with(|| {
+                    let len = relation.encoded_len();
+                    (relation, len)
+                });
         }
         // Against the schema its envelope will carry: the relation's as of
         // its first use in this transaction.
         envelope::validate_change(&change, |id| {
-            txn.relations.get(&id).map(|r| r.columns.len())
+            txn.relations.get(&id).map(|(r, _)| r.columns.len())
         })
         .map_err(|source| AssemblyError::Invalid { xid, source })?;
         let row_relation = match &change.body {
-            Some(change::Body::Row(row)) => Some(row.relation_id),
+            Some(change::Body::Row(row)) => {
+                txn.relations
+                    .get(&row.relation_id)
+                    .map(|(r, len)| RelationUse {
+                        key: r.relation_id,
+                        id: r.relation_id,
+                        encoded_len: *len,
+                    })
+            }
             _ => None,
         };
         let encoded = change.encode_to_vec();
-        txn.plan(encoded.len(), row_relation, limit);
         let was_spilled = txn.spool.is_spilled();
         txn.spool
-            .push(&encoded, &spill_dir)
+            .push(&encoded, row_relation)
             .map_err(|source| AssemblyError::Spill { xid, source })?;
         if !was_spilled && txn.spool.is_spilled() {
             self.stats.spilled_transactions += 1;
@@ -605,7 +566,6 @@ impl Assembler {
         emit: &mut dyn FnMut(Assembled) -> Result<(), E>,
     ) -> Result<(), AssembleOrSink<E>> {
         let xid = txn.xid;
-        let total = txn.spool.records();
         self.stats.peak_memory = self.stats.peak_memory.max(txn.spool.peak_memory());
         let begin_lsn = if txn.begin_lsn != 0 && txn.begin_lsn <= commit_lsn {
             txn.begin_lsn
@@ -637,14 +597,11 @@ impl Assembler {
         self.finishing = Some(Finishing {
             frame,
             relations: std::mem::take(&mut txn.relations),
-            chunks: std::mem::take(&mut txn.chunks),
-            next_chunk: 0,
-            total,
-            spooled: txn.spool.mark().bytes,
-            reader: txn
+            planned: txn
                 .spool
-                .into_reader()
+                .finish()
                 .map_err(|source| AssemblyError::Spill { xid, source })?,
+            next_chunk: 0,
         });
         self.emit_next(emit)?;
         Ok(())
@@ -663,30 +620,24 @@ impl Assembler {
         let xid = f.frame.xid as u32;
         let spill = |source| AssemblyError::Spill { xid, source };
         let invalid = |source| AssemblyError::Invalid { xid, source };
-        let chunk_count = f.chunks.len() as u32;
-        let chunk_index = f.next_chunk;
-        let chunk = &f.chunks[chunk_index];
-        let first_sequence = chunk.start.records;
-        let end = f
-            .chunks
-            .get(chunk_index + 1)
-            .map_or(f.total, |next| next.start.records);
+        let Some((span, chunk)) = f.planned.chunk(f.next_chunk) else {
+            return Ok(false);
+        };
         let mut frame = f.frame.clone();
         frame.relations = chunk
-            .relations
-            .iter()
-            .filter_map(|id| f.relations.get(id).cloned())
+            .keys()
+            .filter_map(|id| f.relations.get(&id).map(|(r, _)| r.clone()))
             .collect();
         frame.boundary = Some(Boundary {
-            mode: if chunk_count == 1 {
+            mode: if span.count == 1 {
                 boundary::Mode::Whole
             } else {
                 boundary::Mode::Chunked
             } as i32,
-            chunk_index: chunk_index as u32,
-            chunk_count,
-            first_sequence,
-            total_changes: f.total,
+            chunk_index: span.index,
+            chunk_count: span.count,
+            first_sequence: span.first_sequence,
+            total_changes: f.planned.total(),
             partition: 0,
             manifest_partitions: Vec::new(),
         });
@@ -694,17 +645,10 @@ impl Assembler {
             capture.captured_at_micros = now_micros();
         }
         let (commit_lsn, end_lsn) = (frame.commit_lsn, frame.end_lsn);
-        let mut raw = envelope::RawEnvelope::new(frame, end - first_sequence).map_err(invalid)?;
-        // The spool's bytes of this chunk: its changes and a 4-byte length
-        // each.
-        let spooled = f
-            .chunks
-            .get(chunk_index + 1)
-            .map_or(f.spooled, |next| next.start.bytes)
-            - chunk.start.bytes;
-        raw.reserve(end - first_sequence, spooled);
-        for _ in first_sequence..end {
-            let Some(record) = f.reader.next_record().map_err(spill)? else {
+        let mut raw = envelope::RawEnvelope::new(frame, span.changes).map_err(invalid)?;
+        raw.reserve(span.changes, span.bytes);
+        for _ in 0..span.changes {
+            let Some((_, record)) = f.planned.next_record().map_err(spill)? else {
                 break;
             };
             raw.push(record).map_err(invalid)?;
@@ -718,7 +662,7 @@ impl Assembler {
             envelope::decode(&bytes)
         );
         f.next_chunk += 1;
-        let more = f.next_chunk < f.chunks.len();
+        let more = f.next_chunk < f.planned.count();
         emit(Assembled {
             commit_lsn,
             end_lsn,
@@ -745,13 +689,9 @@ impl Assembler {
 struct Finishing {
     /// Every field but relations, changes and boundary, which are per chunk.
     frame: Envelope,
-    relations: BTreeMap<u32, RelationSchema>,
-    chunks: Vec<PlannedChunk>,
+    relations: BTreeMap<u32, (RelationSchema, usize)>,
+    planned: Planned,
     next_chunk: usize,
-    total: u64,
-    /// The spool's length in bytes.
-    spooled: u64,
-    reader: crate::spool::SpoolReader,
 }
 
 /// One envelope, encoded (checksum included), with what its publisher
@@ -772,10 +712,6 @@ impl Assembled {
         envelope::decode(&self.bytes)
     }
 }
-
-/// Most bytes a spooled change grows by inside an envelope: the repeated
-/// field's key and length (its sequence is already in it).
-const CHANGE_FRAMING_BOUND: usize = 1 + 5;
 
 fn row(
     relation: &RelationSchema,

@@ -11,7 +11,6 @@ pub mod pgoutput;
 /// The replication client lives in its own small crate (the read-only
 /// grader uses it too); re-exported here where capture expects it.
 pub use trellara_pgwire as pgwire;
-mod spool;
 
 pub use assembler::{
     AssembleOrSink, Assembled, Assembler, AssemblerConfig, AssemblerStats, AssemblyError,

@@ -417,7 +417,7 @@ fn a_subtransaction_abort_in_a_chunked_stream_replans_its_chunks() {
     let mut expected: Vec<String> = (0..100).map(|i| format!("top{i}")).collect();
     expected.extend((0..100).map(|i| format!("after{i}")));
     assert_eq!(out.iter().flat_map(ids).collect::<Vec<_>>(), expected);
-    assert!(out.len() > 3, "several chunks: {}", out.len());
+    assert!(out.len() >= 3, "several chunks: {}", out.len());
     for (i, e) in out.iter().enumerate() {
         let b = e.boundary.as_ref().expect("boundary");
         assert_eq!(

@@ -20,10 +20,8 @@ fn assert_poisoned(log: &Log<SimStorage>) {
         Err(Error::Poisoned { .. })
     ));
     assert!(matches!(log.sync(), Err(Error::Poisoned { .. })));
-    let mut spill = log.spill_buffer(16);
-    spill.push(&[0u8; 100]).unwrap();
     assert!(matches!(
-        log.append_spill(1, &mut spill),
+        log.append_from(1, 100, &mut &[0u8; 100][..]),
         Err(Error::Poisoned { .. })
     ));
 }

@@ -33,7 +33,7 @@ use super::segment::{Segment, parse_segment_name, segment_name};
 use super::storage::{FsStorage, OpenMode, Storage, StorageFile};
 use super::watermark::{self, WATERMARK_FILE, WATERMARK_FILE_LEN};
 use super::writer::WriterState;
-use super::{CURSOR_DIR, Counters, Log, LogConfig, SPILL_DIR, Shared, relock};
+use super::{CURSOR_DIR, Counters, Log, LogConfig, Shared, relock};
 
 /// How often an idle follower looks whether its log was replaced (a moving
 /// watermark proves it was not).
@@ -89,7 +89,6 @@ impl Log<FsStorage> {
         follower.take_end(&active, &mark);
         let shared = Shared {
             storage,
-            spill_dir: dir.join(SPILL_DIR),
             config,
             writer: Mutex::new(WriterState::new(
                 Arc::clone(&active),
@@ -107,7 +106,6 @@ impl Log<FsStorage> {
             cursors: Mutex::new(cursors),
             pressure: Mutex::new(Vec::new()),
             counters: Counters::default(),
-            spill_seq: AtomicU64::new(0),
             follower: Some(follower),
             dir,
         };

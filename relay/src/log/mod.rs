@@ -6,9 +6,9 @@
 //!  ──────────────────   ┌──────────────────────────┐   ┌──────────────────────────────┐
 //!  append(lsn, bytes) ─▶│ writer mutex: assign     │──▶│ 00000000000000000000.seg     │
 //!  append_batch(..)   ─▶│ offset, frame, write     │   │ 00000000000000000000.idx     │
-//!  append_spill(..)   ─▶│ ── one fsync per group ──│   │ 00000000000000004096.seg ◀── active
+//!  append_from(..)    ─▶│ ── one fsync per group ──│   │ 00000000000000004096.seg ◀── active
 //!        ▲              │ (leader syncs, followers │   │ cursors/<consumer>.cursor    │
-//!        └─ Ok(offset) ─│  wait on a condvar)      │   │ spill/<n>.spill (scratch)    │
+//!        └─ Ok(offset) ─│  wait on a condvar)      │   │ durable (watermark)          │
 //!           = durable   └────────────┬─────────────┘   └──────────────────────────────┘
 //!                                    │ durable watermark
 //!  consumers: read_from(offset) ◀────┘   commit_cursor(name, pos) ─▶ temp, fsync, rename, fsync dir
@@ -55,7 +55,6 @@ mod reader;
 mod recovery;
 mod retention;
 mod segment;
-mod spill;
 pub mod storage;
 mod watermark;
 mod writer;
@@ -78,7 +77,6 @@ pub use frame::{
 pub use index::{INDEX_ENTRY_LEN, INDEX_HEADER_LEN, INDEX_MAGIC};
 pub use reader::{Reader, Record};
 pub use retention::{ConsumerPressure, DeletedSegment, RetentionPolicy, RetentionReport};
-pub use spill::SpillBuffer;
 pub use watermark::{WATERMARK_FILE_LEN, WATERMARK_MAGIC};
 
 use cursor::CursorStore;
@@ -91,7 +89,9 @@ use writer::WriterState;
 pub const MAX_PAYLOAD_LEN: u64 = u32::MAX as u64;
 
 const CURSOR_DIR: &str = "cursors";
-const SPILL_DIR: &str = "spill";
+/// Where builds before stop 36 kept scratch files of large appends; a log
+/// opened by this build empties it and never writes there again.
+const LEGACY_SPILL_DIR: &str = "spill";
 
 /// Tuning of a [`Log`]; `LogConfig::default()` suits production.
 #[derive(Clone, Debug)]
@@ -133,7 +133,7 @@ pub struct Durable {
 pub struct LogStats {
     /// Records appended.
     pub records: u64,
-    /// Calls to `append`, `append_batch`, `append_from` and `append_spill`.
+    /// Calls to `append`, `append_batch` and `append_from`.
     pub append_calls: u64,
     /// Segment fsyncs (group commits plus one per segment roll).
     pub fsyncs: u64,
@@ -227,7 +227,6 @@ impl<S: Storage> fmt::Debug for Log<S> {
 pub(crate) struct Shared<S: Storage> {
     storage: S,
     dir: PathBuf,
-    spill_dir: PathBuf,
     config: LogConfig,
     /// Oldest first; the last one is active. Writer pushes, retention pops
     /// from the front; readers clone `Arc`s out.
@@ -247,7 +246,6 @@ pub(crate) struct Shared<S: Storage> {
     cursors: Mutex<CursorStore<S>>,
     pressure: Mutex<Vec<ConsumerPressure>>,
     counters: Counters,
-    spill_seq: AtomicU64,
     /// Set when this handle follows a log another process writes
     /// ([`Log::follow`]): it never appends, deletes or recovers.
     follower: Option<follow::Follower<S::File>>,
@@ -321,21 +319,21 @@ impl<S: Storage> Log<S> {
             .map_err(Error::io("create log directory", &dir))?;
         let mut removed_files = Vec::new();
 
-        let spill_dir = dir.join(SPILL_DIR);
-        storage
-            .create_dir_all(&spill_dir)
-            .map_err(Error::io("create spill directory", &spill_dir))?;
-        for name in storage
-            .list(&spill_dir)
-            .map_err(Error::io("list spill directory", &spill_dir))?
-        {
-            // Spill files belong to transactions that were never appended,
-            // hence never acknowledged: the source sends them again.
-            let path = spill_dir.join(name);
-            storage
-                .remove(&path)
-                .map_err(Error::io("remove stale spill file", &path))?;
-            removed_files.push(path);
+        let legacy = dir.join(LEGACY_SPILL_DIR);
+        match storage.list(&legacy) {
+            Ok(names) => {
+                for name in names {
+                    // Scratch of transactions that were never appended,
+                    // hence never acknowledged: the source sends them again.
+                    let path = legacy.join(name);
+                    storage
+                        .remove(&path)
+                        .map_err(Error::io("remove stale spill file", &path))?;
+                    removed_files.push(path);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io("list spill directory", &legacy)(e)),
         }
 
         let recovered = recovery::recover(&storage, &dir, &config)?;
@@ -384,7 +382,6 @@ impl<S: Storage> Log<S> {
             ))?;
         let shared = Shared {
             storage,
-            spill_dir,
             config,
             segments: RwLock::new(recovered.segments),
             durable_next: AtomicU64::new(next),
@@ -403,7 +400,6 @@ impl<S: Storage> Log<S> {
             cursors: Mutex::new(cursors),
             pressure: Mutex::new(Vec::new()),
             counters: Counters::default(),
-            spill_seq: AtomicU64::new(0),
             dir,
         };
         tracing::info!(
@@ -509,32 +505,6 @@ impl<S: Storage> Log<S> {
         let mut chunk = Vec::with_capacity(64 * 1024);
         self.shared
             .append_stream(commit_lsn, len, source, &mut chunk)
-    }
-
-    /// Appends the contents of `spill` as one record; memory stays within
-    /// the spill buffer's budget. `spill` is left as it was (clear it to
-    /// reuse it).
-    pub fn append_spill(&self, commit_lsn: u64, spill: &mut SpillBuffer<S>) -> Result<u64, Error> {
-        match spill.contents()? {
-            spill::Contents::Memory(bytes) => self.append(commit_lsn, bytes),
-            spill::Contents::Spilled {
-                mut reader,
-                len,
-                scratch,
-            } => self
-                .shared
-                .append_stream(commit_lsn, len, &mut reader, scratch),
-        }
-    }
-
-    /// A spill buffer in this log's spill directory.
-    pub fn spill_buffer(&self, memory_budget: usize) -> SpillBuffer<S> {
-        let n = self.shared.spill_seq.fetch_add(1, Ordering::Relaxed);
-        SpillBuffer::new(
-            self.shared.storage.clone(),
-            self.shared.spill_dir.join(format!("{n:020}.spill")),
-            memory_budget,
-        )
     }
 
     /// Waits until everything appended so far is durable. Fails with

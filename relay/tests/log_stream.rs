@@ -1,55 +1,38 @@
-//! Oversized payloads spill to disk and stream into the log with memory
-//! bounded by the spill budget.
+//! A payload streamed from a reader is appended whole or not at all, and a
+//! log opened by this build clears the scratch directory older builds kept.
 
 mod log_support;
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 
 use log_support::{contents, dir, open, open_sim, payload, small_config};
-use trellara_relay::log::storage::{FsStorage, SimCrash, SimFault, SimOp, SimStorage};
+use trellara_relay::log::storage::{
+    FsStorage, OpenMode, SimCrash, SimFault, SimOp, SimStorage, Storage, StorageFile,
+};
 use trellara_relay::log::{Error, LogConfig};
 
-const BUDGET: usize = 64 * 1024;
-
 #[test]
-fn payload_many_times_the_budget_spills_and_round_trips_within_budget() {
+fn a_payload_larger_than_the_chunk_streams_in_and_survives_a_reopen() {
     let tmp = tempfile::tempdir().unwrap();
     let (log, _) = open(&FsStorage::new(), tmp.path(), &LogConfig::default());
     log.append(1, b"before").unwrap();
-    let mut spill = log.spill_buffer(BUDGET);
+    // 4 MiB in envelope-sized pieces of varying length: 64 chunks of the
+    // stream's 64 KiB buffer.
     let mut expected = Vec::new();
-    // 64x the budget, in envelope-sized pieces of varying length.
     let mut i = 0u64;
-    while expected.len() < 64 * BUDGET {
-        let piece = payload(i, 100 + (i as usize * 37) % 9000);
-        spill.write_all(&piece).unwrap();
-        expected.extend_from_slice(&piece);
+    while expected.len() < 4 << 20 {
+        expected.extend_from_slice(&payload(i, 100 + (i as usize * 37) % 9000));
         i += 1;
     }
-    assert!(spill.is_spilled());
-    assert_eq!(spill.len(), expected.len() as u64);
-    let offset = log.append_spill(2, &mut spill).unwrap();
+    let offset = log
+        .append_from(2, expected.len() as u64, &mut expected.as_slice())
+        .unwrap();
     assert_eq!(offset, 1);
-    assert!(
-        spill.peak_memory() <= BUDGET,
-        "peak {} > budget {BUDGET}",
-        spill.peak_memory()
-    );
-    println!(
-        "spilled {} bytes with peak memory {}",
-        expected.len(),
-        spill.peak_memory()
-    );
-    let spill_file = spill.spill_path().to_path_buf();
-    assert!(spill_file.exists());
-    drop(spill);
-    assert!(!spill_file.exists(), "spill file removed on drop");
-
     log.append(3, b"after").unwrap();
     let records = contents(&log);
     assert_eq!(records.len(), 3);
     assert_eq!(records[1].0, 2);
-    assert!(records[1].1 == expected, "spilled payload differs");
+    assert!(records[1].1 == expected, "streamed payload differs");
     drop(log);
     let (log, report) = open(&FsStorage::new(), tmp.path(), &LogConfig::default());
     assert_eq!(report.torn_tail, None);
@@ -57,36 +40,33 @@ fn payload_many_times_the_budget_spills_and_round_trips_within_budget() {
 }
 
 #[test]
-fn small_payloads_never_touch_the_spill_directory() {
-    let sim = SimStorage::new(51);
-    let (log, _) = open_sim(&sim, &small_config(1 << 20));
-    let mut spill = log.spill_buffer(BUDGET);
-    spill.push(b"small transaction").unwrap();
-    assert!(!spill.is_spilled());
-    assert_eq!(log.append_spill(9, &mut spill).unwrap(), 0);
-    assert!(sim.file_names(&dir().join("spill")).is_empty());
-    // Reuse after clear.
-    spill.clear().unwrap();
-    assert!(spill.is_empty());
-    spill.push(&[7u8; 3 * BUDGET]).unwrap();
-    assert_eq!(log.append_spill(10, &mut spill).unwrap(), 1);
-    assert_eq!(contents(&log)[1].1, vec![7u8; 3 * BUDGET]);
+fn scratch_files_of_an_older_build_are_removed_on_open() {
+    let sim = SimStorage::new(52);
+    let legacy = dir().join("spill");
+    sim.create_dir_all(&legacy).unwrap();
+    let stale = legacy.join("00000000000000000000.spill");
+    sim.open(&stale, OpenMode::Create)
+        .unwrap()
+        .append(&[1u8; 1000])
+        .unwrap();
+    let (log, report) = open_sim(&sim, &small_config(1 << 20));
+    assert!(report.removed_files.contains(&stale), "{report:?}");
+    assert!(sim.file_names(&legacy).is_empty());
+    log.append(1, b"one").unwrap();
+    assert!(
+        sim.file_names(&legacy).is_empty(),
+        "nothing writes there now"
+    );
 }
 
 #[test]
-fn stale_spill_files_are_removed_on_open() {
-    let sim = SimStorage::new(52);
-    let cfg = small_config(1 << 20);
-    let (log, _) = open_sim(&sim, &cfg);
-    let mut spill = log.spill_buffer(16);
-    spill.push(&[1u8; 1000]).unwrap();
-    let path = spill.spill_path().to_path_buf();
-    // A crash while the transaction was being accumulated.
-    std::mem::forget(spill);
-    drop(log);
-    let (_, report) = open_sim(&sim, &cfg);
-    assert!(report.removed_files.contains(&path), "{report:?}");
-    assert!(sim.file_names(&dir().join("spill")).is_empty());
+fn a_log_without_the_old_scratch_directory_never_makes_one() {
+    let sim = SimStorage::new(51);
+    let (log, _) = open_sim(&sim, &small_config(1 << 20));
+    log.append_from(1, 300_000, &mut &[7u8; 300_000][..])
+        .unwrap();
+    assert_eq!(contents(&log)[0].1, vec![7u8; 300_000]);
+    assert!(sim.list(&dir().join("spill")).is_err());
 }
 
 struct Failing {
