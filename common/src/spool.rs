@@ -11,8 +11,9 @@
 //! ```
 //!
 //! Invariants:
-//! - Memory held is at most the budget, however large the transaction: past
-//!   it every record goes to an unlinked scratch file (never fsynced: a
+//! - Memory held is at most the budget (and, once spilled, the file's 128 KiB
+//!   buffer), however large the transaction: past it every record goes to
+//!   an unlinked scratch file (never fsynced: a
 //!   crash loses the transaction, which the source sends again because it
 //!   was never acknowledged). The file disappears when the spool is dropped,
 //!   when the process exits, and after a crash.
@@ -108,6 +109,8 @@ pub struct Spool {
     chunks: Vec<Chunk>,
     /// Envelope bytes the open chunk's changes and relations take.
     open_bytes: usize,
+    /// A write to the file failed.
+    broken: bool,
 }
 
 impl Spool {
@@ -126,6 +129,7 @@ impl Spool {
             peak_memory: 0,
             chunks: vec![Chunk::at(Mark::default())],
             open_bytes: 0,
+            broken: false,
         }
     }
 
@@ -152,21 +156,25 @@ impl Spool {
 
     /// Appends one encoded change, a row of `relation` or none.
     pub fn push(&mut self, change: &[u8], relation: Option<RelationUse>) -> io::Result<()> {
+        self.usable()?;
         let len = u32::try_from(change.len()).map_err(|_| {
             io::Error::new(io::ErrorKind::InvalidInput, "an encoded change over 4 GiB")
         })?;
-        self.plan(change.len(), relation);
+        let at = self.mark();
         let tag = relation.map_or(NO_RELATION, |r| r.key);
         let mut header = [0u8; RECORD_HEADER];
         header[..4].copy_from_slice(&len.to_le_bytes());
         header[4..].copy_from_slice(&tag.to_le_bytes());
         if self.file.is_none() && self.mem.len() + RECORD_HEADER + change.len() > self.budget {
-            self.spill()?;
+            self.spill().inspect_err(|_| self.broken = true)?;
         }
         match &mut self.file {
             Some(file) => {
-                file.write_all(&header)?;
-                file.write_all(change)?;
+                // A failed write may leave part of the record buffered.
+                let written = file
+                    .write_all(&header)
+                    .and_then(|()| file.write_all(change));
+                written.inspect_err(|_| self.broken = true)?;
                 self.spilled += (RECORD_HEADER + change.len()) as u64;
             }
             None => {
@@ -181,11 +189,24 @@ impl Spool {
                 self.peak_memory = self.peak_memory.max(self.mem.capacity());
             }
         }
+        self.plan(at, change.len(), relation);
         self.records += 1;
         Ok(())
     }
 
-    fn plan(&mut self, len: usize, relation: Option<RelationUse>) {
+    /// Refuses to go on once a write failed: what the file holds past the
+    /// last whole record is then unknown.
+    fn usable(&self) -> io::Result<()> {
+        if self.broken {
+            return Err(io::Error::other(
+                "the transaction's spool file failed earlier",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Places the change pushed at `at` in the open chunk, or opens one.
+    fn plan(&mut self, at: Mark, len: usize, relation: Option<RelationUse>) {
         let open = self
             .chunks
             .last()
@@ -193,11 +214,10 @@ impl Spool {
         let conflict = new_to(open, relation)
             .is_some_and(|r| open.relations.iter().any(|(_, id)| *id == r.id));
         let cost = field_len(len) + new_to(open, relation).map_or(0, |r| field_len(r.encoded_len));
-        if self.open_bytes > 0
+        if at.records > open.start.records
             && (conflict || self.open_bytes.saturating_add(cost) > self.chunk_bytes)
         {
-            let start = self.mark();
-            self.chunks.push(Chunk::at(start));
+            self.chunks.push(Chunk::at(at));
             self.open_bytes = 0;
         }
         let open = self
@@ -224,25 +244,38 @@ impl Spool {
         Ok(())
     }
 
-    /// Forgets every record after `mark`, and the chunks that started after
-    /// it.
+    /// Forgets every record after `mark`, and the chunks that started at
+    /// or after it (the first chunk stays, perhaps empty).
     pub fn truncate(&mut self, mark: Mark) -> io::Result<()> {
+        self.usable()?;
         match &mut self.file {
             Some(file) => {
-                file.flush()?;
-                file.get_mut().set_len(mark.bytes)?;
-                file.seek(SeekFrom::Start(mark.bytes))?;
+                let cut = file
+                    .flush()
+                    .and_then(|()| file.get_mut().set_len(mark.bytes))
+                    .and_then(|()| file.seek(SeekFrom::Start(mark.bytes)).map(drop));
+                cut.inspect_err(|_| self.broken = true)?;
                 self.spilled = mark.bytes;
             }
             None => self.mem.truncate(mark.bytes as usize),
         }
         self.records = mark.records;
-        self.chunks
-            .retain(|c| c.start.records == 0 || c.start.records < mark.records);
+        let kept = 1 + self
+            .chunks
+            .iter()
+            .skip(1)
+            .take_while(|c| c.start.records < mark.records)
+            .count();
+        self.chunks.truncate(kept);
         let open = self
             .chunks
-            .last()
+            .last_mut()
             .expect("the first chunk is never dropped");
+        if open.start.records == mark.records {
+            // Nothing of the open chunk is left, so neither are its schemas.
+            open.relations.clear();
+            open.relation_bytes = 0;
+        }
         // Spooled bytes over-count a change's framing (an 8-byte header
         // against at most 6), so the open chunk never grows past its target.
         self.open_bytes = (mark.bytes - open.start.bytes) as usize + open.relation_bytes;
@@ -251,6 +284,7 @@ impl Spool {
 
     /// Ends the transaction: its chunks, and a reader of its records.
     pub fn finish(mut self) -> io::Result<Planned> {
+        self.usable()?;
         let end = self.mark();
         let source = match self.file.take() {
             Some(file) => {
@@ -358,13 +392,14 @@ impl Reader {
                 header.copy_from_slice(bytes);
                 *at += RECORD_HEADER;
             }
-            Source::File(f) => match f.read_exact(&mut header) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof && f.limit() == 0 => {
+            Source::File(f) => {
+                // The end is where the spool ended; a header cut short
+                // there is an error, not an end.
+                if f.limit() == 0 {
                     return Ok(None);
                 }
-                Err(e) => return Err(e),
-            },
+                f.read_exact(&mut header)?;
+            }
         }
         let [a, b, c, d, e, f, g, h] = header;
         let len = u32::from_le_bytes([a, b, c, d]) as usize;
@@ -537,6 +572,49 @@ mod tests {
                 vec![(0, vec![1u8; 40]), (0, vec![3u8; 40])]
             );
         }
+    }
+
+    #[test]
+    fn an_abort_back_to_the_start_leaves_no_empty_chunk_and_no_stale_schema() {
+        let mut spool = Spool::new(1 << 20, std::env::temp_dir(), 100);
+        spool.push(&[1u8; 40], rel(0, 7, 10)).expect("push");
+        spool.truncate(Mark::default()).expect("truncate");
+        // Alone larger than the target: it must still open no second chunk.
+        spool.push(&[2u8; 500], rel(1, 8, 10)).expect("push");
+        let mut planned = spool.finish().expect("finish");
+        assert_eq!(spans(&planned), [(0, 1)]);
+        let keys: Vec<u32> = planned.chunk(0).expect("chunk").1.keys().collect();
+        assert_eq!(keys, [1]);
+        assert_eq!(drain(&mut planned), vec![(1, vec![2u8; 500])]);
+    }
+
+    #[test]
+    fn an_abort_back_to_a_chunk_start_reopens_the_chunk_before_it() {
+        let mut spool = Spool::new(1 << 20, std::env::temp_dir(), 120);
+        spool.push(&[1u8; 40], rel(0, 7, 10)).expect("push");
+        spool.push(&[1u8; 40], rel(0, 7, 10)).expect("push");
+        // 54 + 42 fill the first chunk: the next change (42) starts the
+        // second. Back at the mark the first counts 108 (spooled bytes
+        // over-count) and a 1-byte message (3) still fits it.
+        let mark = spool.mark();
+        spool.push(&[2u8; 40], rel(0, 7, 10)).expect("push");
+        spool.truncate(mark).expect("truncate");
+        spool.push(&[3u8; 1], None).expect("push");
+        let planned = spool.finish().expect("finish");
+        assert_eq!(spans(&planned), [(0, 3)]);
+    }
+
+    #[test]
+    fn a_spool_whose_file_failed_refuses_to_go_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let missing = dir.path().join("file-not-dir");
+        std::fs::write(&missing, b"").expect("write");
+        // The scratch directory is a file: the first spill fails.
+        let mut spool = Spool::new(0, missing.join("spill"), 100);
+        assert!(spool.push(b"x", None).is_err());
+        assert!(spool.push(b"y", None).is_err());
+        assert!(spool.truncate(Mark::default()).is_err());
+        assert!(spool.finish().is_err());
     }
 
     #[test]

@@ -29,12 +29,15 @@ use trellara_common::spool::{RelationUse, Spool};
 
 use crate::error::PluginError;
 
-/// Longest replication origin name (NAMEDATALEN - 1 bytes).
-const ORIGIN_MAX: usize = 63;
-
-/// The most bytes an envelope of `source` takes besides its relations and
-/// changes: every other field at the widest value it can hold.
-pub fn header_bound(source: &SourceIdentity, server_version_num: u32, decoder: &str) -> usize {
+/// The most bytes an envelope of `source` and `origin` takes besides its
+/// relations and changes: every other field at the widest value it can
+/// hold. The origin is given, not bounded: its name is `text`.
+pub fn header_bound(
+    source: &SourceIdentity,
+    origin: &str,
+    server_version_num: u32,
+    decoder: &str,
+) -> usize {
     Envelope {
         protocol_version: envelope::PROTOCOL_VERSION,
         source: Some(SourceIdentity {
@@ -57,7 +60,7 @@ pub fn header_bound(source: &SourceIdentity, server_version_num: u32, decoder: &
             partition: 0,
             manifest_partitions: Vec::new(),
         }),
-        origin: "o".repeat(ORIGIN_MAX),
+        origin: origin.into(),
         capture: Some(Capture {
             path: capture::Path::Native as i32,
             server_version_num,
@@ -158,7 +161,10 @@ impl Transaction {
         mut emit: impl FnMut(u32, u32, &[u8]) -> Result<(), PluginError>,
     ) -> Result<(), PluginError> {
         let io = |what: &'static str| move |e: std::io::Error| PluginError::io(what, &e);
-        let mut planned = self.spool.finish().map_err(io("rewind the change log"))?;
+        let mut planned = self
+            .spool
+            .finish()
+            .map_err(io("rewind the transaction's spool"))?;
         let total = planned.total();
         if total == 0 {
             return Ok(());
@@ -175,10 +181,12 @@ impl Transaction {
             for _ in 0..span.changes {
                 let (_, record) = planned
                     .next_record()
-                    .map_err(io("read the change log"))?
-                    .ok_or_else(|| PluginError::internal("trellara: change log ended early"))?;
+                    .map_err(io("read the transaction's spool"))?
+                    .ok_or_else(|| {
+                        PluginError::internal("trellara: the transaction's spool ended early")
+                    })?;
                 let change = Change::decode(record).map_err(|e| {
-                    PluginError::internal(format!("trellara: change log record unreadable: {e}"))
+                    PluginError::internal(format!("trellara: a spooled change is unreadable: {e}"))
                 })?;
                 changes.push(change);
             }
@@ -295,13 +303,17 @@ mod tests {
             ops in proptest::collection::vec(op(), 1..120),
             chunk_bytes in 4096usize..40_000,
             budget in prop_oneof![Just(0usize), Just(usize::MAX), 0usize..20_000],
+            origin in 0usize..600,
         ) {
             let versions = versions();
             let mut template = sample::insert_transaction(0, 0);
             template.boundary = None;
+            // A replication origin's name is text of any length.
+            template.origin = "u".repeat(origin);
             let capture = template.capture.clone().unwrap_or_default();
             let header = header_bound(
                 &template.source.clone().unwrap_or_default(),
+                &template.origin,
                 capture.server_version_num,
                 &capture.decoder,
             );

@@ -327,7 +327,7 @@ unsafe fn source(state: &mut State) -> Result<Source, PluginError> {
 #[pg_guard]
 unsafe extern "C-unwind" fn tr_begin(
     ctx: *mut pg_sys::LogicalDecodingContext,
-    _txn: *mut pg_sys::ReorderBufferTXN,
+    txn: *mut pg_sys::ReorderBufferTXN,
 ) {
     // SAFETY: called with the context startup initialised.
     let state = unsafe { state(ctx) };
@@ -336,8 +336,16 @@ unsafe extern "C-unwind" fn tr_begin(
         Ok(source) => source,
         Err(err) => err.raise(),
     };
+    // The origin is known at begin (the reorder buffer sets it first), and
+    // its name, of any length, goes into every envelope of the transaction.
+    // SAFETY: txn is valid for the callback; inside the decoding transaction.
+    let origin = match unsafe { origin_name((*txn).origin_id) } {
+        Ok(origin) => origin,
+        Err(err) => err.raise(),
+    };
     let header = assemble::header_bound(
         &source_identity(&state.options, source, 0),
+        &origin,
         state.server_version_num,
         DECODER,
     );

@@ -621,7 +621,8 @@ impl Assembler {
         let spill = |source| AssemblyError::Spill { xid, source };
         let invalid = |source| AssemblyError::Invalid { xid, source };
         let Some((span, chunk)) = f.planned.chunk(f.next_chunk) else {
-            return Ok(false);
+            // Only past u32::MAX chunks, which a boundary cannot number.
+            return Err(spill(std::io::Error::other("more than u32::MAX chunks")).into());
         };
         let mut frame = f.frame.clone();
         frame.relations = chunk

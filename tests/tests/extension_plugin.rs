@@ -800,11 +800,9 @@ fn live(major: Major) {
     let spill_files = std::fs::read_dir(&tmp)
         .map(|d| {
             d.filter_map(Result::ok)
-                .filter(|e| {
-                    e.file_name()
-                        .to_string_lossy()
-                        .starts_with("trellara_spill")
-                })
+                // PostgreSQL's own are pgsql_tmp<pid>.<n>; anything else
+                // would be a spill file left with a name.
+                .filter(|e| !e.file_name().to_string_lossy().starts_with("pgsql_tmp"))
                 .count()
         })
         .unwrap_or(0);

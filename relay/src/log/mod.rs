@@ -172,7 +172,8 @@ pub struct OpenReport {
     pub torn_tail: Option<TornTail>,
     /// Index files that were missing or invalid and were rebuilt.
     pub rebuilt_indexes: Vec<PathBuf>,
-    /// Leftovers removed: orphan index files, cursor temp files, spill files.
+    /// Leftovers removed: orphan index files, cursor temp files, files in
+    /// the `spill/` directory of an older build.
     pub removed_files: Vec<PathBuf>,
 }
 
