@@ -176,7 +176,7 @@ fn no_two_modules_of_a_crate_import_each_other() {
     let mut found = Vec::new();
     for krate in CRATES {
         let graph = graph(&root.join(krate).join("src"));
-        assert!(graph.len() > 2, "{krate}: its modules were not found");
+        assert!(graph.len() >= 2, "{krate}: its modules were not found");
         for module in graph.keys() {
             if let Some(path) = circle(&graph, module) {
                 found.push(format!("{krate}: {} -> {module}", path.join(" -> ")));
