@@ -81,12 +81,7 @@ impl Chunk {
 
 /// Bytes a length-delimited protobuf field of `len` bytes takes (1-byte key).
 pub fn field_len(len: usize) -> usize {
-    1 + varint_len(len as u64) + len
-}
-
-fn varint_len(v: u64) -> usize {
-    // Seven bits per byte; 0 still takes one.
-    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
+    1 + prost::encoding::encoded_len_varint(len as u64) + len
 }
 
 /// `relation`, unless `chunk` already carries its schema.
@@ -211,9 +206,9 @@ impl Spool {
             .chunks
             .last()
             .expect("a spool always has an open chunk");
-        let conflict = new_to(open, relation)
-            .is_some_and(|r| open.relations.iter().any(|(_, id)| *id == r.id));
-        let cost = field_len(len) + new_to(open, relation).map_or(0, |r| field_len(r.encoded_len));
+        let new = new_to(open, relation);
+        let conflict = new.is_some_and(|r| open.relations.iter().any(|(_, id)| *id == r.id));
+        let cost = field_len(len) + new.map_or(0, |r| field_len(r.encoded_len));
         if at.records > open.start.records
             && (conflict || self.open_bytes.saturating_add(cost) > self.chunk_bytes)
         {

@@ -80,23 +80,27 @@ pub struct Transaction {
     /// versions.
     versions: Vec<(RelationSchema, usize)>,
     scratch: Vec<u8>,
+    /// The replication origin's name, empty for a local transaction.
+    pub origin: String,
 }
 
 impl Transaction {
     /// A transaction holding up to `memory_budget` bytes of changes in
     /// memory, cut into envelopes of at most `chunk_bytes`, of which
     /// `header` ([`header_bound`]) go to the fields besides relations and
-    /// changes.
+    /// changes, replayed from `origin`.
     pub fn new(
         memory_budget: usize,
         spill_dir: PathBuf,
         chunk_bytes: usize,
         header: usize,
+        origin: String,
     ) -> Self {
         Transaction {
             spool: Spool::new(memory_budget, spill_dir, chunk_bytes.saturating_sub(header)),
             versions: Vec::new(),
             scratch: Vec::new(),
+            origin,
         }
     }
 
@@ -317,7 +321,7 @@ mod tests {
                 capture.server_version_num,
                 &capture.decoder,
             );
-            let mut txn = Transaction::new(budget, dir(), chunk_bytes, header);
+            let mut txn = Transaction::new(budget, dir(), chunk_bytes, header, String::new());
             let mut pushed = Vec::new();
             for (i, op) in ops.iter().enumerate() {
                 let version = match op {
@@ -362,7 +366,7 @@ mod tests {
 
     #[test]
     fn empty_transactions_emit_nothing() {
-        let txn = Transaction::new(0, dir(), 4096, 0);
+        let txn = Transaction::new(0, dir(), 4096, 0, String::new());
         let mut called = false;
         let result = txn.assemble(sample::insert_transaction(0, 0), |_, _, _| {
             called = true;

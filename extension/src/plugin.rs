@@ -354,6 +354,7 @@ unsafe extern "C-unwind" fn tr_begin(
         state.spill_dir.clone(),
         state.options.chunk_bytes,
         header,
+        origin,
     ));
 }
 
@@ -752,7 +753,7 @@ unsafe fn commit(
 ) -> Result<(), PluginError> {
     // SAFETY: state from startup.
     let state = unsafe { state(ctx) };
-    let Some(buffer) = state.txn.take() else {
+    let Some(mut buffer) = state.txn.take() else {
         return Err(PluginError::internal("trellara: commit without begin"));
     };
     if buffer.len() == 0 {
@@ -761,23 +762,18 @@ unsafe fn commit(
     // SAFETY: commit runs inside the decoding transaction.
     let source = unsafe { source(state) }?;
     // SAFETY: txn is valid for the callback.
-    let (xid, first_lsn, end_lsn, commit_time, origin_id) = unsafe {
+    let (xid, first_lsn, end_lsn, commit_time) = unsafe {
         (
             (*txn).xid,
             (*txn).first_lsn,
             (*txn).end_lsn,
             (*txn).xact_time.commit_time,
-            (*txn).origin_id,
         )
     };
     // SAFETY: helpers documented above; inside the decoding transaction.
-    let (timeline, origin, now) = unsafe {
-        (
-            timeline(ctx),
-            origin_name(origin_id)?,
-            pg_sys::GetCurrentTimestamp(),
-        )
-    };
+    let (timeline, now) = unsafe { (timeline(ctx), pg_sys::GetCurrentTimestamp()) };
+    // Looked up at begin, where the chunk target needed it.
+    let origin = std::mem::take(&mut buffer.origin);
     let template = Envelope {
         protocol_version: PROTOCOL_VERSION,
         source: Some(source_identity(&state.options, source, timeline)),
