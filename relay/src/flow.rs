@@ -247,20 +247,137 @@ pub fn shutdown_signal() -> tokio::sync::watch::Receiver<bool> {
 /// The tuning every run uses (and `config show` prints).
 const TUNING: crate::plan::Tuning = crate::plan::Tuning::DEFAULT;
 
-/// `run --follow`: follows until SIGTERM or Ctrl-C, riding through a
-/// source or target that restarts or cannot be reached for a while. Each
-/// retry is a new round (connect, lock, capture from the slot, apply from
-/// the checkpoint), so nothing is lost or applied twice. Errors that need
-/// someone (a quarantined transaction, a bad config) end it.
-pub async fn follow(
+/// Ends a following run when it turns true: the first SIGTERM or Ctrl-C
+/// ([`shutdown_signal`]), or whatever its sender decides.
+pub type Shutdown = tokio::sync::watch::Receiver<bool>;
+
+/// How long a [`run`] goes on.
+#[derive(Debug)]
+pub enum Mode {
+    /// One round, until everything committed on the source before it
+    /// started is applied (`run`, `reseed`). It does not listen for a
+    /// shutdown: a signal keeps its default action (but while the slot is
+    /// created), which the log and the target's checkpoint make safe.
+    Once,
+    /// Round after round until shutdown, riding through a source or
+    /// target that restarts or cannot be reached for a while
+    /// (`run --follow`, the relay and apply services).
+    Follow(Shutdown),
+    /// One following round, until shutdown or this long has passed; an
+    /// error ends it (`semantics`, which reports what it saw until then).
+    For(Duration, Shutdown),
+}
+
+/// What a [`run`] does: which flow of which config, which role, how long,
+/// and who watches it.
+#[derive(Debug)]
+pub struct Job<'a, W: Watch = NoWatch> {
+    /// The flow's place in the config, for its URLs' environment names.
+    pub index: usize,
+    /// The config's path, for the commands messages suggest.
+    pub config_path: &'a str,
+    /// [`Role::Both`]; a split flow's [`Role::Relay`] (capture and
+    /// publish) or [`Role::Apply`] (apply what the relay published), both
+    /// only with [`Mode::Follow`].
+    pub role: Role,
+    pub mode: Mode,
+    /// Runs beside capture and apply on each round's log.
+    pub watch: W,
+    /// Where the run reports its metrics and health (the service
+    /// endpoints); None for a run nobody scrapes.
+    pub observe: Option<Observer>,
+}
+
+impl<'a> Job<'a> {
+    /// Both roles of flow `index`, unwatched and unobserved.
+    pub fn new(index: usize, config_path: &'a str, mode: Mode) -> Self {
+        Job {
+            index,
+            config_path,
+            role: Role::Both,
+            mode,
+            watch: NoWatch,
+            observe: None,
+        }
+    }
+
+    /// The same job with `watch` beside it.
+    pub fn watched<W: Watch>(self, watch: W) -> Job<'a, W> {
+        let Job {
+            index,
+            config_path,
+            role,
+            mode,
+            watch: NoWatch,
+            observe,
+        } = self;
+        Job {
+            index,
+            config_path,
+            role,
+            mode,
+            watch,
+            observe,
+        }
+    }
+}
+
+/// The pipeline, composed once: resolves the flow, gates it, snapshots if
+/// needed, then captures (external or native) into the durable log and
+/// delivers from it (locally or over Kafka) to every sink. The CLI's
+/// `run`, `reseed` and `semantics`, and the relay and apply services, all
+/// come through here.
+pub async fn run<W: Watch>(
     flow: &Flow,
-    index: usize,
-    config_path: &str,
-    role: Role,
-    observe: Option<Observer>,
+    job: Job<'_, W>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
-    let mut shutdown = shutdown_signal();
+    check_split(flow, job.role)?;
+    let Job {
+        index,
+        config_path,
+        role,
+        mode,
+        mut watch,
+        observe,
+    } = job;
+    let following = match mode {
+        Mode::Follow(shutdown) => {
+            let (config, ends) = ((index, config_path), (watch, observe));
+            return follow_rounds(flow, config, role, ends, shutdown, progress).await;
+        }
+        Mode::Once => None,
+        Mode::For(until, shutdown) => Some(Following {
+            shutdown,
+            until: Some(until),
+        }),
+    };
+    assert!(
+        role == Role::Both,
+        "a split role runs only as a following service"
+    );
+    let round = Round {
+        role,
+        following,
+        locked: false,
+        observe,
+        target_lock: None,
+    };
+    watched_round(flow, (index, config_path), round, &mut watch, progress).await
+}
+
+/// [`Mode::Follow`]: each retry is a new round (connect, lock, capture
+/// from the slot, apply from the checkpoint), so nothing is lost or
+/// applied twice. Errors that need someone (a quarantined transaction, a
+/// bad config) end it.
+async fn follow_rounds<W: Watch>(
+    flow: &Flow,
+    (index, config_path): (usize, &str),
+    role: Role,
+    (mut watch, observe): (W, Option<Observer>),
+    mut shutdown: Shutdown,
+    progress: &mut dyn FnMut(&str),
+) -> Result<RunReport, FlowError> {
     let report = |state: FlowState, error: Option<&FlowError>| {
         if let Some(o) = &observe {
             match error {
@@ -274,7 +391,6 @@ pub async fn follow(
         ..RunReport::default()
     };
     let mut delay = TUNING.retry_first;
-    check_split(flow, role)?;
     // Held across rounds, so nothing (a teardown, another run) takes the
     // log while this process waits to follow again, even before its
     // target was ever reached. The apply role does not write the log: it
@@ -308,7 +424,7 @@ pub async fn follow(
             role,
             (&stop, held.is_some()),
             &mut target_lock,
-            observe.clone(),
+            (&mut watch, observe.clone()),
             progress,
         );
         let outcome = tokio::select! {
@@ -405,7 +521,7 @@ pub fn check_split(flow: &Flow, role: Role) -> Result<(), FlowError> {
     Ok(())
 }
 
-/// The log's lock for a capturing role, held across [`follow`]'s rounds
+/// The log's lock for a capturing role, held across [`follow_rounds`]'s rounds
 /// so nothing (a teardown, another run) takes the log while this process
 /// waits to follow again, even before its target was ever reached. The
 /// apply role has no log: it reads the topic.
@@ -432,7 +548,7 @@ fn hold_log(flow: &Flow, role: Role) -> Result<Option<crate::lock::LogLock>, Flo
     })
 }
 
-/// Ends a [`follow`] round (sets `stop`) on SIGTERM or when a reload
+/// Ends a [`follow_rounds`] round (sets `stop`) on SIGTERM or when a reload
 /// changes the tables; never resolves itself.
 async fn stop_round(
     mut shutdown: tokio::sync::watch::Receiver<bool>,
@@ -452,15 +568,15 @@ async fn stop_round(
     std::future::pending::<()>().await;
 }
 
-/// One round of [`follow`] for `role`, until `stop`; takes the target
+/// One round of [`follow_rounds`] for `role`, until `stop`; takes the target
 /// lock first if the last round lost it. `(stop, log_held)`.
-async fn follow_round(
+async fn follow_round<W: Watch>(
     flow: &Flow,
     (index, config_path): (usize, &str),
     role: Role,
     (stop, log_held): (&tokio::sync::watch::Receiver<bool>, bool),
     target_lock: &mut Option<state::FlowLock>,
-    observe: Option<Observer>,
+    (watch, observe): (&mut W, Option<Observer>),
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
     if target_lock.is_none() {
@@ -468,7 +584,7 @@ async fn follow_round(
     }
     let lock = target_lock.as_ref();
     if role == Role::Apply {
-        // As run_watched does for the other roles: without its lock the
+        // As watched_round does for the other roles: without its lock the
         // round ends at once, another applier may have it.
         let applying =
             delivery::apply_round(flow, (index, config_path), stop, lock, observe, progress);
@@ -480,17 +596,17 @@ async fn follow_round(
             done = applying => done,
         };
     }
-    let options = RunOptions {
+    let round = Round {
         role,
-        follow: true,
-        until: None,
-        watch: &mut NoWatch,
-        shutdown: Some(stop.clone()),
+        following: Some(Following {
+            shutdown: stop.clone(),
+            until: None,
+        }),
         locked: log_held,
         observe,
         target_lock: lock,
     };
-    run_watched(flow, index, config_path, options, progress).await
+    watched_round(flow, (index, config_path), round, watch, progress).await
 }
 
 /// Connects a session to the flow's target that holds its lock and does
@@ -682,6 +798,17 @@ pub trait Watch {
     ) -> Result<(), FlowError>;
 }
 
+/// A watcher lent to a [`Job`], to read what it saw after the run.
+impl<W: Watch> Watch for &mut W {
+    async fn watch(
+        &mut self,
+        log: &Log<FsStorage>,
+        applied: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<(), FlowError> {
+        (**self).watch(log, applied).await
+    }
+}
+
 /// No watcher: a plain run.
 #[derive(Debug)]
 pub struct NoWatch;
@@ -696,77 +823,46 @@ impl Watch for NoWatch {
     }
 }
 
-/// How long a run goes on, and who watches it.
+/// How one round goes: a [`Job`] resolved for this round.
 #[derive(Debug)]
-pub struct RunOptions<'a, W: Watch> {
+struct Round<'a> {
     /// [`Role::Both`], or [`Role::Relay`]: capture and publish to the
     /// flow's topic, applying nothing (the apply role is
     /// [`delivery::apply_round`]).
-    pub role: Role,
-    /// Keep following until SIGTERM or Ctrl-C (or `until`).
-    pub follow: bool,
-    /// With `follow`: stop after this long.
-    pub until: Option<Duration>,
-    pub watch: &'a mut W,
-    /// With `follow`: stop when this turns true (see [`shutdown_signal`]);
-    /// without, a SIGTERM or Ctrl-C received once the round streams.
-    pub shutdown: Option<tokio::sync::watch::Receiver<bool>>,
-    /// The caller holds the log's lock already ([`follow`], across its
+    role: Role,
+    /// Keep following until stopped; None: until caught up.
+    following: Option<Following>,
+    /// The caller holds the log's lock already ([`follow_rounds`], across its
     /// rounds: a teardown between two rounds would be undone by the next).
-    pub locked: bool,
-    /// Where the run reports its metrics and health (the service
-    /// endpoints); None for a run nobody scrapes.
-    pub observe: Option<Observer>,
+    locked: bool,
+    observe: Option<Observer>,
     /// The flow's target lock, held by the caller on a session of its own
-    /// ([`follow`]); None: the round takes it on its target session.
-    pub target_lock: Option<&'a state::FlowLock>,
+    /// ([`follow_rounds`]); None: the round takes it on its target session.
+    target_lock: Option<&'a state::FlowLock>,
 }
 
-/// Snapshot if needed, then capture and apply together until caught up
-/// with the source's WAL position at the start (or, with `follow`, until
-/// SIGTERM or Ctrl-C).
-pub async fn run_once(
+/// One round with a watcher beside capture and apply. A stop that needs
+/// someone (schema drift, a lost slot, a record of another source) is
+/// recorded on the target for `status` and `repair plan`; a run that ends
+/// well clears it.
+async fn watched_round<W: Watch>(
     flow: &Flow,
-    index: usize,
-    config_path: &str,
-    follow: bool,
-    progress: &mut dyn FnMut(&str),
-) -> Result<RunReport, FlowError> {
-    let options = RunOptions {
-        role: Role::Both,
-        follow,
-        until: None,
-        watch: &mut NoWatch,
-        shutdown: None,
-        locked: false,
-        observe: None,
-        target_lock: None,
-    };
-    run_watched(flow, index, config_path, options, progress).await
-}
-
-/// [`run_once`] with a deadline and a watcher beside capture and apply. A
-/// stop that needs someone (schema drift, a lost slot, a record of another
-/// source) is recorded on the target for `status` and `repair plan`; a run
-/// that ends well clears it.
-pub async fn run_watched<W: Watch>(
-    flow: &Flow,
-    index: usize,
-    config_path: &str,
-    options: RunOptions<'_, W>,
+    (index, config_path): (usize, &str),
+    round: Round<'_>,
+    watch: &mut W,
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
     // A held target lock that is lost ends the round at once, wherever it
     // is (checks, snapshot, capture or apply): another process may have
     // the flow now. What it was applying rolls back with its session; the
     // next round starts from the checkpoint.
-    let held = options.target_lock;
+    let held = round.target_lock;
     let result = tokio::select! {
         biased;
         () = lock_lost(held) => Err(FlowError::LockLost {
             flow: flow.name.clone(),
         }),
-        done = run_round(flow, index, config_path, options, progress) => done,
+        done = run_round(flow, index, config_path, round, watch, progress) => done,
     };
     if let Err(e) = &result
         && let Some((kind, detail, commands)) = stop_of(e, flow, config_path)
@@ -834,24 +930,23 @@ fn stop_of(
     }
 }
 
-/// One round of [`run_watched`].
+/// One round of [`watched_round`].
 async fn run_round<W: Watch>(
     flow: &Flow,
     index: usize,
     config_path: &str,
-    options: RunOptions<'_, W>,
+    round: Round<'_>,
+    watch: &mut W,
     progress: &mut dyn FnMut(&str),
 ) -> Result<RunReport, FlowError> {
-    let RunOptions {
+    let Round {
         role,
-        follow,
-        until,
-        watch,
-        shutdown,
+        following,
         locked,
         observe,
         target_lock,
-    } = options;
+    } = round;
+    let follow = following.is_some();
     let health = |state: FlowState| {
         if let Some(o) = &observe {
             o.health.state(state);
@@ -877,7 +972,7 @@ async fn run_round<W: Watch>(
         flow,
         source_url,
         log_dir,
-        stop: shutdown.clone().filter(|_| follow),
+        stop: following.as_ref().map(|f| f.shutdown.clone()),
         follow,
     };
     match ensure_boundary(boundary, source, &sessions.target, &health, progress).await? {
@@ -903,7 +998,6 @@ async fn run_round<W: Watch>(
         floor,
         pinned: snapshot_pins(&sessions.target, &flow.name).await?,
     };
-    let following = follow.then_some(Following { shutdown, until });
     let Capture {
         run: capture,
         begun,
@@ -1314,10 +1408,11 @@ async fn open_stage(
     })
 }
 
-/// How a following round is stopped: its shutdown channel (SIGTERM
-/// without one), or after `until`.
+/// How a following round is stopped: its shutdown channel, or after
+/// `until`.
+#[derive(Debug)]
 struct Following {
-    shutdown: Option<tokio::sync::watch::Receiver<bool>>,
+    shutdown: Shutdown,
     until: Option<Duration>,
 }
 
@@ -1335,14 +1430,12 @@ async fn capture_stop(
             None => {
                 let _ = durable.wait_for(|durable| *durable >= goal).await;
             }
-            Some(Following { shutdown, until }) => {
+            Some(Following {
+                mut shutdown,
+                until,
+            }) => {
                 let signal = async {
-                    match shutdown {
-                        Some(mut stop) => {
-                            let _ = stop.wait_for(|stop| *stop).await;
-                        }
-                        None => until_signal().await,
-                    }
+                    let _ = shutdown.wait_for(|stop| *stop).await;
                 };
                 match until {
                     Some(until) => {

@@ -579,14 +579,18 @@ impl Prepared {
             hangup,
             &mut progress,
         ))?;
-        rt.block_on(flow::follow(
-            flow,
-            index,
-            &config_path,
-            role,
-            Some(observe),
-            &mut progress,
-        ))
+        rt.block_on(async {
+            let job = flow::Job {
+                role,
+                observe: Some(observe),
+                ..flow::Job::new(
+                    index,
+                    &config_path,
+                    flow::Mode::Follow(flow::shutdown_signal()),
+                )
+            };
+            flow::run(flow, job, &mut progress).await
+        })
         .with_context(|| format!("flow {}", flow.name))?;
         Ok(ExitCode::SUCCESS)
     }
@@ -891,16 +895,20 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 hangup,
                 &mut progress,
             ))?;
-            rt.block_on(flow::follow(
-                f,
-                index,
-                &config_path,
-                Role::Both,
-                Some(observe),
-                &mut progress,
-            ))
+            rt.block_on(async {
+                let job = flow::Job {
+                    observe: Some(observe),
+                    ..flow::Job::new(
+                        index,
+                        &config_path,
+                        flow::Mode::Follow(flow::shutdown_signal()),
+                    )
+                };
+                flow::run(f, job, &mut progress).await
+            })
         } else {
-            rt.block_on(flow::run_once(f, index, &config_path, false, &mut progress))
+            let job = flow::Job::new(index, &config_path, flow::Mode::Once);
+            rt.block_on(flow::run(f, job, &mut progress))
         };
         match round {
             Ok(report) => reports.push(report),
@@ -1497,8 +1505,12 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("reseed flow {} sink {}", f.name, sink.name))?;
         }
         reports.push(
-            rt.block_on(flow::run_once(f, index, &config_path, false, &mut progress))
-                .with_context(|| format!("reseed flow {}", f.name))?,
+            rt.block_on(flow::run(
+                f,
+                flow::Job::new(index, &config_path, flow::Mode::Once),
+                &mut progress,
+            ))
+            .with_context(|| format!("reseed flow {}", f.name))?,
         );
     }
     if !text && !args.verify {

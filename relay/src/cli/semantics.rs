@@ -8,7 +8,7 @@
 use super::Format;
 use super::flow::{flows, runtime};
 use crate::config;
-use crate::flow::{self, RunOptions};
+use crate::flow;
 use crate::semantics::Observer;
 use anyhow::Context;
 use serde_json::json;
@@ -73,19 +73,11 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
                 errln!("[{}] {line}", f.name);
             }
         };
-        let options = RunOptions {
-            role: crate::service::Role::Both,
-            follow: true,
-            until: Some(Duration::from_secs(args.duration)),
-            watch: &mut observer,
-            shutdown: Some(flow::shutdown_signal()),
-            locked: false,
-            observe: None,
-            target_lock: None,
-        };
+        let mode = flow::Mode::For(Duration::from_secs(args.duration), flow::shutdown_signal());
+        let job = flow::Job::new(*index, &config_path, mode).watched(&mut observer);
         // A flow that stops (say, a quarantined transaction) ends the
         // observation; what was observed until then is still reported.
-        let stopped = flow::run_watched(f, *index, &config_path, options, &mut progress)
+        let stopped = flow::run(f, job, &mut progress)
             .await
             .with_context(|| format!("flow {}", f.name))
             .err();
