@@ -737,10 +737,7 @@ async fn log_behind(
 ) -> Result<(), VerifyError> {
     let (log, _) = Log::open(FsStorage::new(), dir, LogConfig::default())?;
     let crate::config::Transport::Kafka { topic, .. } = &flow.transport else {
-        let cursor = log
-            .cursor(cursor)
-            .map_or(log.first_offset(), |c| c.next_offset);
-        divergences.extend(unread(&log, cursor, "applied", run));
+        divergences.extend(not_applied(&log, (cursor, flow.sinks().len() > 1), run));
         return Ok(());
     };
     // Store and forward: the log up to the publisher's cursor is in the
@@ -770,6 +767,32 @@ async fn log_behind(
         });
     }
     Ok(())
+}
+
+/// What the log holds past the sink's cursor `cursor`. Of `several`
+/// sinks, one whose cursor is gone from a log with records (dropped when
+/// it held the log past `transport.retention_mib`, or the sinks
+/// reordered) cannot resume: the next run copies it again at a boundary
+/// of its own, and the verdict says so rather than counting the log's
+/// records as a backlog it will apply. A flow's only sink applies the log
+/// from its start.
+fn not_applied(
+    log: &Log<FsStorage>,
+    (cursor, several): (&str, bool),
+    run: &str,
+) -> Option<Divergence> {
+    match log.cursor(cursor) {
+        Some(at) => unread(log, at.next_offset, "applied", run),
+        None if !several => unread(log, log.first_offset(), "applied", run),
+        None if log.next_offset() > log.first_offset() => Some(Divergence {
+            code: "WATERMARK_BEHIND",
+            detail: format!(
+                "the sink's cursor {cursor} is not in the log (it was dropped when the sink held the log past transport.retention_mib, or the sinks were reordered), so the sink cannot resume; the next run copies it again at a boundary of its own"
+            ),
+            recovery: run.to_owned(),
+        }),
+        None => None,
+    }
 }
 
 /// The log's records from `next` on, which are not `done` yet.
@@ -991,4 +1014,35 @@ pub fn render_text(v: &Verdict) -> String {
         out.push_str(&format!("{} (sink {}) {}\n", v.flow, v.sink, v.result));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_cursor_is_named_not_counted_as_a_backlog() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (log, _) = Log::open(FsStorage::new(), dir.path(), LogConfig::default()).expect("log");
+        // An empty log: nothing to apply, whether the cursor is there or not.
+        assert!(not_applied(&log, ("sink-lake", true), "trellara run").is_none());
+        log.register_consumer("sink-main").expect("register");
+        for lsn in 1..=3 {
+            log.append(lsn * 100, b"txn").expect("append");
+        }
+        let behind = not_applied(&log, ("sink-main", true), "trellara run").expect("behind");
+        assert!(behind.detail.starts_with("3 captured"), "{}", behind.detail);
+        // A flow's only sink has not applied any of it yet.
+        let only = not_applied(&log, ("applier", false), "trellara run").expect("only");
+        assert!(only.detail.starts_with("3 captured"), "{}", only.detail);
+        let dropped = not_applied(&log, ("sink-lake", true), "trellara run").expect("dropped");
+        assert_eq!(dropped.code, "WATERMARK_BEHIND");
+        assert!(
+            dropped.detail.contains("sink-lake is not in the log")
+                && dropped.detail.contains("copies it again"),
+            "{}",
+            dropped.detail
+        );
+        assert_eq!(dropped.recovery, "trellara run");
+    }
 }
