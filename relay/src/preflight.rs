@@ -139,9 +139,51 @@ pub async fn assess(
         tables: flow.tables.clone(),
         sample,
     };
-    let report = trellara_check::assess(&options, &request)
-        .await
-        .map_err(PreflightError::Grade)?;
+    // The grader reads on a session of its own, so it runs while the
+    // flow's own checks read on the run's sessions: a run's start waits
+    // for the longer of the two, not their sum. Both are read-only, and
+    // both finish (a future dropped mid-check would leave the target
+    // session inside its READ ONLY transaction).
+    let grading = async {
+        trellara_check::assess(&options, &request)
+            .await
+            .map_err(PreflightError::Grade)
+    };
+    let (report, own) = tokio::join!(grading, flow_checks(flow, source, target));
+    let report = report?;
+    let (same, mut found) = own?;
+    // A slot of the flow's name on another database is another flow's;
+    // one on this database is this flow's only when its target says so.
+    let slot = flow.slot();
+    let mut has_slot = report.facts.slots.iter().any(|s| {
+        s.name == slot && s.database.as_deref() == Some(report.facts.server.database.as_str())
+    });
+    if has_slot && !same && !crate::state::owns_slot(target, &flow.name, &slot).await? {
+        has_slot = false;
+        found.push(finding(
+            "source",
+            "slot",
+            false,
+            true,
+            crate::state::NotOurSlot(&slot).to_string(),
+            Some(crate::state::not_our_slot_fix(&slot)),
+        ));
+    }
+    Ok(Assessment {
+        source: report,
+        flow: found,
+        has_slot,
+    })
+}
+
+/// The flow's own checks, on the run's sessions: the target is another
+/// database, the log directory is the flow's, the target's tables match.
+/// Whether the target is the source itself, and the findings.
+async fn flow_checks(
+    flow: &Flow,
+    source: &Client,
+    target: &Client,
+) -> Result<(bool, Vec<Finding>), PreflightError> {
     let mut found = Vec::new();
     let same = crate::identity::same_database(source, target).await?;
     found.push(finding(
@@ -179,28 +221,7 @@ pub async fn assess(
     if !same {
         found.extend(target_tables(flow, source, target).await?);
     }
-    // A slot of the flow's name on another database is another flow's;
-    // one on this database is this flow's only when its target says so.
-    let slot = flow.slot();
-    let mut has_slot = report.facts.slots.iter().any(|s| {
-        s.name == slot && s.database.as_deref() == Some(report.facts.server.database.as_str())
-    });
-    if has_slot && !same && !crate::state::owns_slot(target, &flow.name, &slot).await? {
-        has_slot = false;
-        found.push(finding(
-            "source",
-            "slot",
-            false,
-            true,
-            crate::state::NotOurSlot(&slot).to_string(),
-            Some(crate::state::not_our_slot_fix(&slot)),
-        ));
-    }
-    Ok(Assessment {
-        source: report,
-        flow: found,
-        has_slot,
-    })
+    Ok((same, found))
 }
 
 /// Every table of the flow exists on the target with the source's columns.
