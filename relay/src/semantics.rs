@@ -117,6 +117,8 @@ fn text(v: &envelope::Value) -> Option<Option<String>> {
 pub struct Observer {
     target: Client,
     flow: String,
+    /// The log cursor of the sink whose target is read (the flow's first).
+    cursor: String,
     pause: Duration,
     types: HashMap<String, HashMap<String, String>>,
     last_checkpoint: Option<Lsn>,
@@ -126,10 +128,11 @@ pub struct Observer {
 impl Observer {
     /// `target` must use the capture session's TimeZone (UTC) so time
     /// values compare as text: see [`Observer::prepare`].
-    pub fn new(target: Client, flow: &str) -> Self {
+    pub fn new(target: Client, flow: &str, cursor: String) -> Self {
         Observer {
             target,
             flow: flow.to_owned(),
+            cursor,
             pause: Duration::from_millis(5),
             types: HashMap::new(),
             last_checkpoint: None,
@@ -235,7 +238,7 @@ impl Observer {
         // The applier's cursor before the snapshot: at or below its
         // checkpoint, since the cursor moves only after the target commit.
         let cursor = log
-            .cursor(&crate::apply::cursor_name(&self.flow))
+            .cursor(&self.cursor)
             .map_or(log.first_offset(), |c| c.next_offset);
         self.target
             .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")

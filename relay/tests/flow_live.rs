@@ -431,8 +431,7 @@ fn semantics_sees_no_half_applied_transaction_and_catches_a_broken_target() {
 /// target midway. Returns the JSON report and the exit code.
 fn semantics_run(
     p: &Pair,
-    first: i64,
-    n: i64,
+    (config, first, n): (&str, i64, i64),
     seconds: &str,
     tamper: Option<&'static str>,
 ) -> (serde_json::Value, Option<i32>) {
@@ -483,7 +482,7 @@ fn semantics_run(
         &[
             "semantics",
             "--config",
-            "trellara.yml",
+            config,
             "--duration",
             seconds,
             "--format",
@@ -511,7 +510,7 @@ fn semantics_on(major: Major) {
         ),
         "run",
     );
-    let (report, code) = semantics_run(&p, 1, 400, "4", None);
+    let (report, code) = semantics_run(&p, ("trellara.yml", 1, 400), "4", None);
     assert_eq!(code, Some(0), "{major}: {report}");
     assert_eq!(report["verdict"], "ATOMIC", "{major}: {report}");
     assert!(
@@ -522,8 +521,7 @@ fn semantics_on(major: Major) {
     // claims: the reader must say so, naming the table.
     let (report, code) = semantics_run(
         &p,
-        10_001,
-        400,
+        ("trellara.yml", 10_001, 400),
         "4",
         Some(
             "DELETE FROM public.line_items WHERE line = 2 AND order_id = (SELECT max(order_id) FROM public.line_items)",
@@ -536,6 +534,68 @@ fn semantics_on(major: Major) {
             .as_str()
             .is_some_and(|t| t.contains("line_items")),
         "{major}: {report}"
+    );
+
+    // A flow of `sinks:` whose sink is named apart from the flow: the
+    // reader's window is around that sink's cursor, so its reads are
+    // judged. A window around a cursor that does not exist starts at the
+    // log's first record, and past the backlog applied below (60,000 row
+    // writes) outgrows its bound: every read unjudged.
+    p.target.psql("CREATE DATABASE lake");
+    p.target
+        .try_connect("lake")
+        .expect("connect")
+        .batch_execute(SCHEMA)
+        .expect("schema");
+    std::fs::write(
+        p.dir.path().join("sinks.yml"),
+        format!(
+            "schema_version: 2
+flows:
+  - name: shop2
+    source:
+      url: {}
+    sinks:
+      - name: lake
+        target:
+          url: {}
+    tables: [public.orders, public.line_items]
+    transport:
+      kind: local
+      log_dir: ./.trellara/shop2
+service:
+  relay_listen: 127.0.0.1:0
+",
+            p.source.connection_string("postgres"),
+            p.target.connection_string("lake"),
+        ),
+    )
+    .expect("config");
+    ok(
+        &trellara(p.dir.path(), &["run", "--config", "sinks.yml", "--local"]),
+        "run of the sinks flow",
+    );
+    p.source.psql(
+        "DO $$ BEGIN FOR o IN 30001..40000 LOOP
+             INSERT INTO public.orders VALUES (o, 'b', 1);
+             INSERT INTO public.line_items SELECT o, l, 1, 1, 'b' FROM generate_series(1, 5) l;
+             COMMIT;
+         END LOOP; END $$",
+    );
+    ok(
+        &trellara(p.dir.path(), &["run", "--config", "sinks.yml", "--local"]),
+        "the sinks flow applies its backlog",
+    );
+    let (report, code) = semantics_run(&p, ("sinks.yml", 20_001, 400), "4", None);
+    assert_eq!(code, Some(0), "{major}: {report}");
+    assert_eq!(report["verdict"], "ATOMIC", "{major}: {report}");
+    let (judged, unjudged) = (
+        report["reads"].as_u64().unwrap_or(0),
+        report["reads_unjudged"].as_u64().unwrap_or(u64::MAX),
+    );
+    assert!(
+        unjudged < judged,
+        "{major}: reads judged around the sink's cursor: {report}"
     );
 }
 

@@ -64,7 +64,7 @@ fn observe(args: &SemanticsArgs) -> anyhow::Result<ExitCode> {
     let (stopped, report) = rt.block_on(async {
         let (_, target_url) = flow::urls(f, *index)?;
         let target = flow::connect(&target_url, "target").await?;
-        let mut observer = Observer::new(target, &f.name);
+        let mut observer = Observer::new(target, &f.name, crate::apply::first_cursor(f));
         observer.prepare().await?;
         let mut progress = |line: &str| {
             if text {
