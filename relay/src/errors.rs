@@ -40,6 +40,10 @@ mod tests {
                 source: db(),
             }),
             Box::new(flow::FlowError::Target(db())),
+            Box::new(flow::FlowError::Source {
+                url: "postgresql://u@h/db".into(),
+                source: db(),
+            }),
             Box::new(flow::FlowError::LogDir {
                 path: "/l".into(),
                 source: io(),

@@ -39,6 +39,13 @@ pub enum FlowError {
     Connect(#[from] crate::session::ConnectError),
     #[error("target database")]
     Target(#[from] tokio_postgres::Error),
+    /// A query on the run's source session failed (not its connect).
+    #[error("source database ({url})")]
+    Source {
+        url: String,
+        #[source]
+        source: tokio_postgres::Error,
+    },
     #[error(transparent)]
     Snapshot(#[from] snapshot::SnapshotError),
     #[error(transparent)]
@@ -125,6 +132,7 @@ impl FlowError {
             // reseed): the next round follows the new one.
             _ if matches!(self.log_cause(), Some(crate::log::Error::Replaced { .. })) => true,
             FlowError::Connect(ConnectError::Session { source, .. })
+            | FlowError::Source { source, .. }
             | FlowError::Target(source) => unreachable(source),
             FlowError::Apply(ApplyError::Target(crate::apply::TargetError::Postgres(e))) => {
                 unreachable(e)
@@ -1333,12 +1341,9 @@ async fn open_sessions(
             })?,
         )
     };
-    let source_failed = |source| {
-        FlowError::Connect(ConnectError::Session {
-            side: "source",
-            target: redact(&source_url),
-            source,
-        })
+    let source_failed = |source| FlowError::Source {
+        url: redact(&source_url),
+        source,
     };
     if let Some(refusal) = snapshot::native_refusal(flow, &source)
         .await
@@ -1741,7 +1746,7 @@ async fn ensure_boundary(
         .is_some_and(|log| log.next_offset() > 0 && log.cursor(&first).is_none());
     if (needs || first_lost)
         && let Some(log) = &shared_log
-        && keeps_slot(flow, source, target, log).await?
+        && keeps_slot(flow, (source_url, source), target, log).await?
     {
         // One sink of several is copied again: the others stream on from
         // the flow's slot and log, so neither is replaced. Its cursor is
@@ -1829,7 +1834,7 @@ fn forget_removed_sinks(flow: &Flow, log: &Log<FsStorage>, progress: &mut dyn Fn
 /// first target. Anything else needs a new stream for every sink.
 async fn keeps_slot(
     flow: &Flow,
-    source: &Client,
+    (source_url, source): (&str, &Client),
     target: &Client,
     log: &Log<FsStorage>,
 ) -> Result<bool, FlowError> {
@@ -1852,12 +1857,9 @@ async fn keeps_slot(
             &[&flow.slot()],
         )
         .await
-        .map_err(|e| {
-            FlowError::Connect(ConnectError::Session {
-                side: "source",
-                target: String::new(),
-                source: e,
-            })
+        .map_err(|source| FlowError::Source {
+            url: redact(source_url),
+            source,
         })?;
     Ok(slot.is_some_and(|row| {
         let confirmed: Option<i64> = row.get(0);
@@ -2211,6 +2213,24 @@ pub async fn until_signal() {
 mod tests {
     use super::*;
     use crate::transport::TransportError;
+
+    #[test]
+    fn a_failed_source_query_names_the_source_not_a_connect() {
+        let e = FlowError::Source {
+            url: redact("postgresql://app:s3cret@db.example:5432/shop"),
+            source: "port=notaport"
+                .parse::<tokio_postgres::Config>()
+                .expect_err("not a port"),
+        };
+        let text = crate::errors::chain_of(&e);
+        assert!(
+            text.starts_with("source database (postgresql://app:")
+                && text.contains("db.example")
+                && !text.contains("s3cret")
+                && !text.contains("connect to"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn a_replaced_log_is_retried_however_deep_it_is_wrapped() {
