@@ -309,6 +309,17 @@ impl<'a> Job<'a> {
         }
     }
 
+    /// A service's job: `role` of flow `index` round after round until
+    /// SIGTERM or Ctrl-C, reporting to its endpoints. Call it inside the
+    /// runtime: it starts listening for the signals.
+    pub fn service(index: usize, config_path: &'a str, role: Role, observe: Observer) -> Self {
+        Job {
+            role,
+            observe: Some(observe),
+            ..Job::new(index, config_path, Mode::Follow(shutdown_signal()))
+        }
+    }
+
     /// The same job with `watch` beside it.
     pub fn watched<W: Watch>(self, watch: W) -> Job<'a, W> {
         let Job {

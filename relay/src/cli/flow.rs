@@ -580,15 +580,7 @@ impl Prepared {
             &mut progress,
         ))?;
         rt.block_on(async {
-            let job = flow::Job {
-                role,
-                observe: Some(observe),
-                ..flow::Job::new(
-                    index,
-                    &config_path,
-                    flow::Mode::Follow(flow::shutdown_signal()),
-                )
-            };
+            let job = flow::Job::service(index, &config_path, role, observe);
             flow::run(flow, job, &mut progress).await
         })
         .with_context(|| format!("flow {}", flow.name))?;
@@ -896,14 +888,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 &mut progress,
             ))?;
             rt.block_on(async {
-                let job = flow::Job {
-                    observe: Some(observe),
-                    ..flow::Job::new(
-                        index,
-                        &config_path,
-                        flow::Mode::Follow(flow::shutdown_signal()),
-                    )
-                };
+                let job = flow::Job::service(index, &config_path, Role::Both, observe);
                 flow::run(f, job, &mut progress).await
             })
         } else {
