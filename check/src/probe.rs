@@ -87,14 +87,14 @@ impl Session {
 
     /// A query that may be refused: wrapped in a savepoint so that a refusal
     /// leaves the read-only transaction usable.
+    /// The three statements go in one message, one round trip: the server
+    /// runs them in order and stops at the first error, which leaves the
+    /// savepoint set for the rollback.
     async fn probe(&mut self, what: &'static str, sql: &str) -> Result<Probe, CheckError> {
-        self.exec(what, "SAVEPOINT trellara_check").await?;
-        self.statements += 1;
-        match self.conn.simple_query(sql).await {
-            Ok(rows) => {
-                self.exec(what, "RELEASE SAVEPOINT trellara_check").await?;
-                Ok(Probe::Rows(rows))
-            }
+        self.statements += 3;
+        let batch = format!("SAVEPOINT trellara_check; {sql}; RELEASE SAVEPOINT trellara_check");
+        match self.conn.simple_query(&batch).await {
+            Ok(rows) => Ok(Probe::Rows(rows)),
             Err(WireError::Server(e)) => {
                 self.exec(what, "ROLLBACK TO SAVEPOINT trellara_check")
                     .await?;
@@ -180,9 +180,12 @@ async fn gather_in_transaction(
     if read_only != "on" {
         return Err(CheckError::NotReadOnly(read_only));
     }
-    s.exec("timeouts", "SET LOCAL statement_timeout = '30s'")
-        .await?;
-    s.exec("timeouts", "SET LOCAL lock_timeout = '2s'").await?;
+    s.exec(
+        "timeouts",
+        "SET LOCAL statement_timeout = '30s'; SET LOCAL lock_timeout = '2s'",
+    )
+    .await?;
+    s.statements += 1;
 
     let mut unknowns: Vec<Unknown> = Vec::new();
 

@@ -216,3 +216,51 @@ fn wal_level_replica_exits_3() {
         "{out}"
     );
 }
+
+/// A catalog the role may not read is an unknown with its grant, and the
+/// reads after it still run: the refusal is rolled back to its savepoint,
+/// not left aborting the grader's one transaction.
+#[test]
+fn a_refused_catalog_read_is_named_and_the_reads_after_it_still_run() {
+    let Some(cluster) = test_cluster(Major::Pg17, &ClusterOptions::new()) else {
+        return;
+    };
+    cluster.psql(
+        "CREATE ROLE limited LOGIN;
+         REVOKE SELECT ON pg_catalog.pg_replication_slots FROM PUBLIC;
+         CREATE TABLE items (id int PRIMARY KEY);
+         CREATE PUBLICATION shop FOR TABLE items;",
+    );
+    let url = format!(
+        "postgresql://limited@{}:{}/postgres",
+        cluster.host(),
+        cluster.port()
+    );
+    let (code, out, err) =
+        run(grader()
+            .arg(&url)
+            .args(["--format", "json", "--sample-seconds", "1"]));
+    assert_ne!(code, 2, "the source was assessed: {out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+    let facts = &v; // the facts sit beside the verdict
+    assert_eq!(facts["slots_visible"], false, "{out}");
+    let unknowns = facts["unknowns"].as_array().expect("unknowns");
+    let slots = unknowns
+        .iter()
+        .find(|u| u["what"] == "replication slots")
+        .unwrap_or_else(|| panic!("the refused read is named: {out}"));
+    assert!(
+        slots["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("pg_replication_slots refused") && r.contains("42501")),
+        "{slots}"
+    );
+    assert_eq!(
+        slots["grant"],
+        "GRANT SELECT ON pg_catalog.pg_replication_slots TO limited;"
+    );
+    // Read after the refusal, in the same transaction.
+    assert_eq!(facts["publications_visible"], true, "{out}");
+    let pubs = facts["publications"].as_array().expect("publications");
+    assert!(pubs.iter().any(|p| p["name"] == "shop"), "{out}");
+}

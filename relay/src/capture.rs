@@ -350,7 +350,13 @@ async fn session(
     stopped: &mut bool,
 ) -> Result<(), CaptureError> {
     let resume = read_resume(log)?;
-    let mut conn = Connection::connect(&config.source).await?;
+    // The session that re-reads the slot once it is held is opened beside
+    // the streaming one: its connect is off the path to the first change.
+    let (conn, probe) = tokio::join!(
+        Connection::connect(&config.source),
+        Connection::connect(&config.source)
+    );
+    let mut conn = conn?;
     let system = conn.identify_system().await?;
     let server_version_num = conn.server_version_num();
     match conn.slot_info(&config.slot).await? {
@@ -384,8 +390,7 @@ async fn session(
         Ok(stream) => stream,
         // object_in_use: another walsender streams this slot.
         Err(WireError::Server(e)) if e.code == "55006" => {
-            let mut probe = Connection::connect(&config.source).await?;
-            let pid = probe
+            let pid = probe?
                 .slot_info(&config.slot)
                 .await?
                 .and_then(|i| i.active_pid)
@@ -400,7 +405,7 @@ async fn session(
 
     // Re-read the slot now that we hold it: someone else may have held it,
     // or it may have been invalidated between the check and the start.
-    let mut probe = Connection::connect(&config.source).await?;
+    let mut probe = probe?;
     if let Some(info) = probe.slot_info(&config.slot).await? {
         if let Some(pid) = info.active_pid
             && pid != stream.backend_pid()

@@ -1777,3 +1777,92 @@ fn second_process(major: Major) {
         "{text}"
     );
 }
+
+#[test]
+fn a_slot_another_consumer_streams_is_refused_with_its_pid() {
+    on_every_major(slot_held_elsewhere);
+}
+
+/// An outside consumer (pg_recvlogical) streaming the flow's slot: the run
+/// stops, naming that consumer's pid, and leaves the slot where it was.
+fn slot_held_elsewhere(major: Major) {
+    let Some(c) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    databases(&c, &["src", "tgt"], TABLES);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    write_flow(
+        d,
+        "trellara.yml",
+        "t",
+        &c.connection_string("src"),
+        &c.connection_string("tgt"),
+        &["public.orders"],
+    );
+    exits(
+        &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+        0,
+        "first run",
+    );
+    let mut other = Command::new(c.install().bin("pg_recvlogical"))
+        .args([
+            "-h",
+            c.host(),
+            "-p",
+            &c.port().to_string(),
+            "-U",
+            "postgres",
+        ])
+        .args([
+            "-d",
+            "src",
+            "--slot",
+            "trellara_t",
+            "--start",
+            "-f",
+            "/dev/null",
+        ])
+        .args([
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=trellara_t",
+        ])
+        .spawn()
+        .expect("pg_recvlogical");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let pid = loop {
+        let pid = c.psql_value(
+            "SELECT coalesce(active_pid, 0) FROM pg_replication_slots WHERE slot_name = 'trellara_t'",
+        );
+        if pid != "0" {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pg_recvlogical never streamed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let confirmed = || {
+        c.psql_value(
+            "SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = 'trellara_t'",
+        )
+    };
+    let before = confirmed();
+    let out = trellara(d, &["run", "--config", "trellara.yml", "--local"]);
+    let _ = other.kill();
+    let _ = other.wait();
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("is held by another process (pid {pid})")),
+        "names the consumer: {text}"
+    );
+    assert_eq!(confirmed(), before, "the slot is where it was");
+}

@@ -154,14 +154,17 @@ fn read_only_statement(sql: &str) -> bool {
     start_ok && !denied
 }
 
-/// The grader's logged statements in `log` (lines of its application name).
+/// The grader's logged statements in `log` (lines of its application
+/// name). A message of several statements (a probe's SAVEPOINT, query and
+/// RELEASE) is one line; none of the grader's own SQL has a `; ` inside.
 fn grader_statements(log: &str) -> Vec<String> {
     log.lines()
         .filter(|l| l.contains("] trellara-check "))
         .filter_map(|l| {
             l.find("LOG:  statement: ")
-                .map(|i| l[i + "LOG:  statement: ".len()..].trim().to_owned())
+                .map(|i| l[i + "LOG:  statement: ".len()..].trim())
         })
+        .flat_map(|message| message.split("; ").map(str::to_owned))
         .collect()
 }
 
