@@ -43,7 +43,7 @@ pub(crate) const SOURCE_ACK: &str = "source-ack";
 /// Moves the source-ack cursor's offset to the log's end (its LSN stays),
 /// so it never holds segments back from retention: it records a source
 /// position, not a place in the log a reader still needs.
-pub fn release_source_ack(log: &Log<FsStorage>) -> Result<(), crate::log::Error> {
+pub fn release_source_ack<S: Storage>(log: &Log<S>) -> Result<(), crate::log::Error> {
     if let Some(position) = log.cursor(SOURCE_ACK) {
         log.commit_cursor(
             SOURCE_ACK,

@@ -50,7 +50,7 @@ pub enum CrashPoint {
     PublishedCursorNotMoved,
 }
 
-pub trait CrashHooks {
+pub trait CrashHooks: std::fmt::Debug {
     /// True: stop here (the caller treats it as the process dying).
     fn crash_at(&self, point: CrashPoint) -> bool;
 }

@@ -9,6 +9,7 @@
 //! ```
 
 pub mod delivery;
+pub mod round;
 pub mod sinks;
 
 use crate::apply::{Applier, ApplyError, ApplyStats};
@@ -1017,18 +1018,14 @@ async fn run_round<W: Watch>(
         floor,
         pinned: snapshot_pins(&sessions.target, &flow.name).await?,
     };
-    let Capture {
-        run: capture,
-        begun,
-        done: done_rx,
-        failed: failed_tx,
-    } = start_capture(
+    let capture = start_capture(
         capture_from,
         (source, &log),
         (goal, following),
         observe.clone(),
         progress,
     )?;
+    let begun = Arc::clone(&capture.begun);
     let mut stage = open_stage(
         flow,
         role,
@@ -1039,7 +1036,6 @@ async fn run_round<W: Watch>(
     )
     .await?;
     let droppable = delivery::Droppable::of(flow);
-    let (applied_tx, applied_rx) = tokio::sync::watch::channel(false);
     let shared = sinks::Shared {
         flow,
         index,
@@ -1052,32 +1048,34 @@ async fn run_round<W: Watch>(
         follow,
         droppable: &droppable,
     };
-    let signals = Signals {
-        captured: done_rx.clone(),
-        begun: &begun,
-        observe: observe.as_ref(),
-        tuning: &TUNING,
-        droppable: &droppable,
+    let first_retries = follow && target_lock.is_some() && flow.sinks().len() > 1;
+    let (shared, log, stage_ref, observe_ref) = (&shared, &log, &mut stage, observe.as_ref());
+    let (begun, droppable, first_observe) = (&begun, &droppable, observe.clone());
+    let apply = move |captured: tokio::sync::watch::Receiver<bool>| {
+        let signals = Signals {
+            captured: captured.clone(),
+            begun,
+            observe: observe_ref,
+            tuning: &TUNING,
+            droppable,
+            hooks: &crate::crash::NoCrash,
+        };
+        let ends = (first_retries, captured);
+        apply_part(stage_ref, (shared, log), signals, first_observe, ends)
     };
-    let ends = ApplyEnds {
-        first_retries: follow && target_lock.is_some() && flow.sinks().len() > 1,
-        captured: done_rx.clone(),
-        failed: &failed_tx,
-        applied: &applied_tx,
-    };
-    let apply = apply_part(&mut stage, (&shared, &log), signals, observe.clone(), ends);
-    let gauges = gauges(flow, source, &log, observe.as_ref(), applied_rx.clone());
     // Following is capture's to say, once its session streams (external)
     // or the worker connects (native): a worker that never comes is not
     // ready.
-    let others = sinks::run_others(&shared, observe.as_ref(), &done_rx);
-    let (captured, applied, watched, (), others) = tokio::join!(
-        capture,
-        apply,
-        watch.watch(&log, applied_rx),
-        gauges,
-        others
-    );
+    let beside = |ends: round::Ends| async move {
+        let (watched, (), others) = tokio::join!(
+            watch.watch(log, ends.applied.clone()),
+            gauges(flow, source, log, observe_ref, ends.applied),
+            sinks::run_others(shared, observe_ref, &ends.captured)
+        );
+        (watched, others)
+    };
+    let (captured, applied, (watched, others)) =
+        round::drive(|failed| capture.run(failed), apply, beside).await;
     report.sinks = others;
     let ended = Ended {
         captured,
@@ -1094,13 +1092,18 @@ async fn run_round<W: Watch>(
     .await
 }
 
-/// A round's capture, not started yet, and its signals: `begun` once it
-/// streams, `done` once it ended, `failed` to stop it.
-struct Capture<F> {
-    run: F,
+/// A round's capture, set up but not started: [`Capture::run`] streams
+/// it; `begun` is notified each time it sees a transaction begin.
+struct Capture<'a> {
+    flow: &'a Flow,
+    config: CaptureConfig,
+    source: &'a Client,
+    log: &'a Log<FsStorage>,
+    native: NativeRun<'a>,
+    following: Option<Following>,
+    goal: Lsn,
+    durable: tokio::sync::watch::Receiver<Lsn>,
     begun: Arc<tokio::sync::Notify>,
-    done: tokio::sync::watch::Receiver<bool>,
-    failed: tokio::sync::watch::Sender<bool>,
 }
 
 /// Sets up a round's capture from `from` up to `goal` or, following,
@@ -1111,12 +1114,9 @@ fn start_capture<'a>(
     (goal, following): (Lsn, Option<Following>),
     observe: Option<Observer>,
     progress: &mut dyn FnMut(&str),
-) -> Result<
-    Capture<impl std::future::Future<Output = Result<capture::CaptureStats, FlowError>> + use<'a>>,
-    FlowError,
-> {
+) -> Result<Capture<'a>, FlowError> {
     let (flow, log_dir, floor) = (from.flow, from.log_dir, from.floor);
-    let (tx, rx) = tokio::sync::watch::channel(Lsn::ZERO);
+    let (tx, durable) = tokio::sync::watch::channel(Lsn::ZERO);
     let tx = Arc::new(tx);
     let begun = Arc::new(tokio::sync::Notify::new());
     let config = capture_config(from, &tx, &begun, observe.clone())?;
@@ -1125,9 +1125,6 @@ fn start_capture<'a>(
     } else {
         format!("capture: streaming slot {} until {goal}", flow.slot())
     });
-    let (failed, failed_rx) = tokio::sync::watch::channel(false);
-    let (done_tx, done) = tokio::sync::watch::channel(false);
-    let stop = capture_stop(following, goal, rx, failed_rx);
     let native = NativeRun {
         log_dir,
         progress: tx,
@@ -1136,73 +1133,64 @@ fn start_capture<'a>(
         observe,
     };
     Ok(Capture {
-        run: capture_part(flow, config, (source, log), native, stop, done_tx),
+        flow,
+        config,
+        source,
+        log,
+        native,
+        following,
+        goal,
+        durable,
         begun,
-        done,
-        failed,
     })
 }
 
-/// Capture of one round into the log, on the flow's capture path; `done`
-/// says when it ended, however it ended.
-async fn capture_part(
-    flow: &Flow,
-    config: CaptureConfig,
-    (source, log): (&Client, &Log<FsStorage>),
-    native: NativeRun<'_>,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
-    done: tokio::sync::watch::Sender<bool>,
-) -> Result<capture::CaptureStats, FlowError> {
-    let result = match flow.capture {
-        CapturePath::External => capture::run_on_own_thread(config, log.clone(), stop)
-            .await
-            .map_err(FlowError::from),
-        CapturePath::Native => native_capture(flow, source, log, native, stop).await,
-    };
-    let _ = done.send(true);
-    result
-}
-
-/// How the first sink's part of a round ends and tells the others. The
-/// senders are borrowed: capture and the gauges take a dropped sender
-/// for a signal, so they live as long as the round, not this part.
-struct ApplyEnds<'a> {
-    /// Following with several sinks under the flow's lock this process
-    /// holds: the first one's failure ends only its own part.
-    first_retries: bool,
-    captured: tokio::sync::watch::Receiver<bool>,
-    /// Capture stops when this part fails.
-    failed: &'a tokio::sync::watch::Sender<bool>,
-    applied: &'a tokio::sync::watch::Sender<bool>,
+impl Capture<'_> {
+    /// Captures into the log on the flow's capture path until the round's
+    /// stop, or as soon as `failed` turns true (the stage beside failed).
+    async fn run(
+        self,
+        failed: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<capture::CaptureStats, FlowError> {
+        let stop = capture_stop(self.following, self.goal, self.durable, failed);
+        match self.flow.capture {
+            CapturePath::External => {
+                capture::run_on_own_thread(self.config, self.log.clone(), stop)
+                    .await
+                    .map_err(FlowError::from)
+            }
+            CapturePath::Native => {
+                native_capture(self.flow, self.source, self.log, self.native, stop).await
+            }
+        }
+    }
 }
 
 /// The first sink's part of a round: the stage (apply, or the relay
 /// role's publishing) on the log until capture ended and it took all.
+/// `first_retries`: following with several sinks under the flow's lock
+/// this process holds, the first one's failure ends only its own part,
+/// which follows again on its own until `captured`.
 async fn apply_part(
     stage: &mut Stage,
     (shared, log): (&sinks::Shared<'_>, &Log<FsStorage>),
     signals: Signals<'_>,
     observe: Option<Observer>,
-    ends: ApplyEnds<'_>,
+    (first_retries, captured): (bool, tokio::sync::watch::Receiver<bool>),
 ) -> Result<(ApplyStats, Option<sinks::SinkOutcome>), FlowError> {
     let flow = shared.flow;
-    let result = match stage.run(log, &flow.name, signals).await {
+    match stage.run(log, &flow.name, signals).await {
         // Capture and the others go on while it retries on its own.
-        Err(e) if ends.first_retries => {
+        Err(e) if first_retries => {
             tracing::warn!(flow = %flow.name, error = %crate::errors::chain_of(&e), "the first sink's apply ended; it follows again on its own, the flow's other sinks go on");
             let first = flow
                 .first_sink()
                 .expect("a flow of several sinks has a first");
-            let retried = sinks::run(shared, first, observe, ends.captured, true).await;
+            let retried = sinks::run(shared, first, observe, captured, true).await;
             Ok((ApplyStats::default(), Some(retried)))
         }
         other => other.map(|stats| (stats, None)),
-    };
-    if result.is_err() {
-        let _ = ends.failed.send(true);
     }
-    let _ = ends.applied.send(true);
-    result
 }
 
 /// What the parts of a round ended with.

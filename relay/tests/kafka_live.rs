@@ -37,6 +37,7 @@ fn append(log: &Log<FsStorage>, first: u64, n: u64) -> Vec<Vec<u8>> {
         .collect()
 }
 
+#[derive(Debug)]
 struct CrashAfterPublish;
 
 impl CrashHooks for CrashAfterPublish {

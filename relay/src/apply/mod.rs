@@ -153,6 +153,8 @@ pub trait Target {
     async fn make_durable(&mut self, flow: &str) -> Result<bool, Refusal>;
     /// Best effort: the session may be gone, which rolls back too.
     async fn rollback(&mut self);
+    /// The flow's checkpoint as committed, read outside a transaction.
+    async fn applied(&self, flow: &str) -> Result<Option<Lsn>, TargetError>;
     /// Answers the checkpoint lock later: statements sent behind it do not
     /// wait for it. The target answers in order, so poll it alongside them.
     type Lock: std::future::Future<Output = Result<Option<Lsn>, Refusal>>;

@@ -493,6 +493,10 @@ impl Target for PgTarget {
         let _ = self.client.batch_execute("ROLLBACK").await;
     }
 
+    async fn applied(&self, flow: &str) -> Result<Option<Lsn>, TargetError> {
+        Ok(crate::state::checkpoint::applied(&*self.client, flow).await?)
+    }
+
     type Lock = Pin<Box<dyn Future<Output = Result<Option<Lsn>, Refusal>>>>;
 
     /// Sent at once, together with the held-back `BEGIN`.

@@ -13,9 +13,11 @@
 //! * The cursor is persisted when idle (once due) and at the end.
 
 use super::{FlowError, RunReport};
-use crate::apply::{Applier, ApplyError, ApplyStats};
+use crate::apply::{Applier, ApplyError, ApplyStats, Target};
 use crate::config::{Flow, Transport};
-use crate::log::{Log, storage::FsStorage};
+use crate::crash::CrashHooks;
+use crate::log::Log;
+use crate::log::storage::{FsStorage, Storage};
 use crate::plan::Tuning;
 use crate::service::FlowState;
 use crate::service::Observer;
@@ -85,7 +87,7 @@ impl Delivery {
     /// The log position the applier can read up to now: the written end
     /// (it commits only what turned durable), or what is durable (the
     /// publisher forwards only that).
-    fn horizon(&self, log: &Log<FsStorage>) -> u64 {
+    fn horizon<S: Storage>(&self, log: &Log<S>) -> u64 {
         match self {
             Delivery::Local => log.written_end(),
             Delivery::Kafka { .. } => log.next_offset(),
@@ -93,26 +95,27 @@ impl Delivery {
     }
 
     /// Forwards what is new (Kafka), then applies what is there.
-    async fn pull(
+    async fn pull<T: Target, S: Storage>(
         &self,
-        applier: &mut Applier,
-        log: &Log<FsStorage>,
+        applier: &mut Applier<T>,
+        log: &Log<S>,
+        hooks: &dyn CrashHooks,
     ) -> Result<ApplyStats, ApplyError> {
         match self {
-            Delivery::Local => applier.apply_log(log).await,
+            Delivery::Local => applier.apply_log_with(log, hooks).await,
             Delivery::Kafka { publisher, feed } => {
                 publisher.publish(log).await?;
-                applier.apply_log_with(feed, &crate::crash::NoCrash).await
+                applier.apply_log_with(feed, hooks).await
             }
         }
     }
 
     /// Persists the applier's position; `when_due`: only once it is due
     /// (it costs a durable target commit after asynchronous ones).
-    async fn persist(
+    async fn persist<T: Target, S: Storage>(
         &self,
-        applier: &mut Applier,
-        log: &Log<FsStorage>,
+        applier: &mut Applier<T>,
+        log: &Log<S>,
         when_due: bool,
     ) -> Result<(), ApplyError> {
         if when_due && !applier.cursor_due() {
@@ -126,10 +129,10 @@ impl Delivery {
 
     /// After capture ended: applies until everything published is applied
     /// (a topic read can end on a quiet broker before it is).
-    async fn drain(
+    async fn drain<T: Target, S: Storage>(
         &self,
-        applier: &mut Applier,
-        log: &Log<FsStorage>,
+        applier: &mut Applier<T>,
+        log: &Log<S>,
         flow: &str,
         total: &mut ApplyStats,
     ) -> Result<(), ApplyError> {
@@ -153,9 +156,9 @@ impl Delivery {
 
 /// Whether the target's checkpoint has reached the last commit the
 /// publisher forwarded.
-async fn applied_all_published(
-    applier: &Applier,
-    log: &Log<FsStorage>,
+async fn applied_all_published<T: Target, S: Storage>(
+    applier: &Applier<T>,
+    log: &Log<S>,
     flow: &str,
 ) -> Result<bool, ApplyError> {
     let Some(published) = log
@@ -164,7 +167,7 @@ async fn applied_all_published(
     else {
         return Ok(true);
     };
-    let applied = crate::state::checkpoint::applied(applier.client(), flow).await?;
+    let applied = applier.target().applied(flow).await?;
     Ok(applied.is_some_and(|a| a.0 >= published))
 }
 
@@ -179,6 +182,9 @@ pub struct Signals<'a> {
     pub tuning: &'a Tuning,
     /// Cursors retention may drop past the log's cap.
     pub droppable: &'a Droppable,
+    /// Where the applier stops as if the process died (the simulator's;
+    /// [`crate::crash::NoCrash`] otherwise).
+    pub hooks: &'a dyn CrashHooks,
 }
 
 /// The cursors retention may drop past the log's cap: those of a flow's
@@ -240,10 +246,10 @@ impl Drop for Copying<'_> {
 
 /// Applies the log through `delivery` while capture writes it, and what
 /// is left once capture has ended; retention runs along.
-pub async fn apply_stage(
-    applier: &mut Applier,
+pub async fn apply_stage<T: Target, S: Storage>(
+    applier: &mut Applier<T>,
     delivery: &Delivery,
-    log: &Log<FsStorage>,
+    log: &Log<S>,
     flow: &str,
     signals: Signals<'_>,
 ) -> Result<ApplyStats, ApplyError> {
@@ -253,6 +259,7 @@ pub async fn apply_stage(
         observe,
         tuning,
         droppable,
+        hooks,
     } = signals;
     let mut total = ApplyStats::default();
     let mut last_retention = std::time::Instant::now();
@@ -262,7 +269,7 @@ pub async fn apply_stage(
     loop {
         let seen = delivery.horizon(log);
         let finished = *captured.borrow();
-        let stats = delivery.pull(applier, log).await?;
+        let stats = delivery.pull(applier, log, hooks).await?;
         // Idle: what the cursor has not persisted yet goes once due.
         if stats.transactions == 0 {
             delivery.persist(applier, log, true).await?;
@@ -594,7 +601,7 @@ async fn boundary_ready(target: &tokio_postgres::Client, flow: &str) -> Result<b
 /// limit; what a lagging consumer holds is reported, never deleted, unless
 /// it is one of `droppable` (see [`over_cap`]).
 /// A reloaded limit (see [`crate::service::LiveSettings`]) applies here.
-fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>, droppable: &Droppable) {
+fn enforce_retention<S: Storage>(log: &Log<S>, observe: Option<&Observer>, droppable: &Droppable) {
     // An apply service in another process commits its cursor on the disk.
     // Positions left unread are older, never newer: what the source and
     // retention release on them is released later, never too early.
@@ -635,8 +642,8 @@ fn enforce_retention(log: &Log<FsStorage>, observe: Option<&Observer>, droppable
 /// boundary of its own when it is back ([`super::sinks`]). The flow's
 /// slot follows the log's durability either way. Returns the cursors
 /// dropped.
-pub fn over_cap(
-    log: &Log<FsStorage>,
+pub fn over_cap<S: Storage>(
+    log: &Log<S>,
     pressure: &[crate::log::ConsumerPressure],
     droppable: &Droppable,
 ) -> Vec<String> {

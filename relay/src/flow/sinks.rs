@@ -256,6 +256,7 @@ async fn round(
         observe,
         tuning: shared.tuning,
         droppable: shared.droppable,
+        hooks: &crate::crash::NoCrash,
     };
     let applied = delivery::apply_stage(
         &mut applier,

@@ -39,6 +39,7 @@ use trellara_common::envelope::{
 };
 
 /// Crashes at the `nth` time `point` is reached (once).
+#[derive(Debug)]
 struct CrashOnce {
     point: CrashPoint,
     nth: u32,

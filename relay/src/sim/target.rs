@@ -274,6 +274,10 @@ impl Target for SimTarget {
         self.open = None;
     }
 
+    async fn applied(&self, _flow: &str) -> Result<Option<Lsn>, TargetError> {
+        Ok(self.committed.checkpoint.map(|c| c.commit_lsn))
+    }
+
     type Lock = std::future::Ready<Result<Option<Lsn>, Refusal>>;
 
     async fn send_lock_checkpoint(&mut self, _flow: &str) -> Result<Self::Lock, Refusal> {
