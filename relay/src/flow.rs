@@ -1415,15 +1415,15 @@ async fn open_stage(
 /// How a following round is stopped: its shutdown channel, or after
 /// `until`.
 #[derive(Debug)]
-struct Following {
-    shutdown: Shutdown,
-    until: Option<Duration>,
+pub(crate) struct Following {
+    pub shutdown: Shutdown,
+    pub until: Option<Duration>,
 }
 
 /// Resolves when capture should stop: once `goal` is durable for a round
 /// that runs to a position, when a following round is stopped, or as soon
 /// as the stage beside it failed.
-async fn capture_stop(
+pub(crate) async fn capture_stop(
     following: Option<Following>,
     goal: Lsn,
     mut durable: tokio::sync::watch::Receiver<Lsn>,

@@ -215,7 +215,7 @@ fn a_circle_is_found() {
 
 /// The functions that compose the pipeline's parts: each stays short
 /// enough to read whole, its parts in functions of their own.
-const COMPOSITION: [(&str, &str); 7] = [
+const COMPOSITION: [(&str, &str); 8] = [
     ("relay/src/flow.rs", "pub async fn run<"),
     ("relay/src/flow.rs", "async fn follow_rounds"),
     ("relay/src/flow.rs", "async fn follow_round<"),
@@ -223,6 +223,7 @@ const COMPOSITION: [(&str, &str); 7] = [
     ("relay/src/flow.rs", "async fn run_round"),
     ("relay/src/flow/delivery.rs", "pub async fn apply_round"),
     ("relay/src/flow/sinks.rs", "async fn round"),
+    ("relay/src/flow/round.rs", "pub async fn drive"),
 ];
 const COMPOSITION_MAX_LINES: usize = 150;
 

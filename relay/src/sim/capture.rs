@@ -103,18 +103,18 @@ enum Emission {
 
 /// What the source committed: the log must hold exactly this.
 #[derive(Debug, Clone, PartialEq)]
-struct Committed {
-    commit_lsn: u64,
-    end_lsn: u64,
+pub(super) struct Committed {
+    pub commit_lsn: u64,
+    pub end_lsn: u64,
     xid: u64,
-    bodies: Vec<change::Body>,
+    pub bodies: Vec<change::Body>,
 }
 
-struct Source {
+pub(super) struct Source {
     emissions: Vec<Emission>,
     /// End position of every transaction (aborted ones: the abort).
     ends: Vec<u64>,
-    committed: Vec<Committed>,
+    pub committed: Vec<Committed>,
     /// The transaction whose first message must stop capture, if any.
     refused: Option<usize>,
     history: CaptureHistory,
@@ -350,7 +350,7 @@ struct OpenStream {
 
 /// The seeded source: its WAL (what the walsender sends) and what it
 /// committed.
-fn source(rng: &mut Rng, fault: CaptureFault) -> Source {
+pub(super) fn source(rng: &mut Rng, fault: CaptureFault, streams: bool) -> Source {
     let mut src = Source {
         emissions: Vec::new(),
         ends: Vec::new(),
@@ -381,7 +381,11 @@ fn source(rng: &mut Rng, fault: CaptureFault) -> Source {
                 fault,
                 CaptureFault::SchemaDrift | CaptureFault::UnknownRelation
             );
-        if refuse_here || roll < 9 || (open.is_empty() && (14..17).contains(&roll)) {
+        if refuse_here
+            || roll < 9
+            || (open.is_empty() && (14..17).contains(&roll))
+            || (!streams && roll < 17)
+        {
             // A plain transaction, sent whole at its commit.
             xid += 1;
             let txn = src.ends.len();
@@ -686,7 +690,7 @@ fn source(rng: &mut Rng, fault: CaptureFault) -> Source {
 }
 
 /// The simulated walsender of one session.
-struct Walsender {
+pub(super) struct Walsender {
     queue: VecDeque<ReplicationEvent>,
     durable: Lsn,
     /// The slot's confirmed position: survives sessions.
@@ -708,7 +712,7 @@ impl Walsender {
     /// Starts a session at `requested`: everything of a transaction ending
     /// past the start, with relation metadata before each relation's first
     /// use in this session.
-    fn start(src: &Source, requested: u64, session: Session) -> Walsender {
+    pub(super) fn start(src: &Source, requested: u64, session: Session) -> Walsender {
         let start = requested.max(session.confirmed.get());
         let mut queue = VecDeque::new();
         let mut sent = BTreeSet::new();
@@ -782,14 +786,14 @@ impl Walsender {
 
 /// What survives a relay crash, shared with each session's walsender.
 #[derive(Clone)]
-struct Session {
-    seed: u64,
-    confirmed: Rc<Cell<u64>>,
-    log: Log<SimStorage>,
-    violations: Rc<RefCell<Vec<String>>>,
-    exhausted: Rc<Cell<bool>>,
-    drop_after: Option<u64>,
-    confirmed_history: Rc<RefCell<Vec<u64>>>,
+pub(super) struct Session {
+    pub seed: u64,
+    pub confirmed: Rc<Cell<u64>>,
+    pub log: Log<SimStorage>,
+    pub violations: Rc<RefCell<Vec<String>>>,
+    pub exhausted: Rc<Cell<bool>>,
+    pub drop_after: Option<u64>,
+    pub confirmed_history: Rc<RefCell<Vec<u64>>>,
 }
 
 impl SourceStream for Walsender {
@@ -852,7 +856,7 @@ impl SourceStream for Walsender {
     }
 }
 
-fn config() -> CaptureConfig {
+pub(super) fn config() -> CaptureConfig {
     CaptureConfig {
         source: "postgres://sim@localhost/sim"
             .parse()
@@ -877,7 +881,7 @@ fn config() -> CaptureConfig {
 }
 
 /// A simulated session's assembler, spilling under the temp dir's `spill`.
-fn assembler(
+pub(super) fn assembler(
     config: &CaptureConfig,
     chunk_bytes: usize,
     spill: &str,
@@ -945,7 +949,7 @@ fn logged(log: &Log<SimStorage>, seed: u64) -> Result<Vec<Committed>, String> {
 /// Runs one capture history with `fault`. Err names the broken invariant.
 pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, String> {
     let mut rng = Rng(seed ^ 0x00CA_97E5);
-    let src = source(&mut rng, fault);
+    let src = source(&mut rng, fault, true);
     let mut history = src.history.clone();
     let storage = SimStorage::new(seed);
     let (point, mode) = match fault {

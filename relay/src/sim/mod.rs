@@ -9,7 +9,8 @@
 //!
 //! Families: [`relay`] (source and stream), [`apply`] (target apply, over
 //! the in-memory [`target`]), [`capture`] (the external relay's pgoutput
-//! path) and [`snapshot`] (snapshot and handoff). Qualification is not a
+//! path), [`snapshot`] (snapshot and handoff) and [`pipeline`] (whole
+//! following rounds through the live run's own round composition). Qualification is not a
 //! simulation but the verdict over all of them (`chaos run`, `chaos
 //! report`).
 //!
@@ -20,6 +21,7 @@
 
 pub(crate) mod apply;
 pub(crate) mod capture;
+pub(crate) mod pipeline;
 pub(crate) mod relay;
 pub(crate) mod snapshot;
 pub(crate) mod target;
@@ -30,6 +32,7 @@ use crate::log::LogConfig;
 use crate::log::storage::SimCrash;
 use apply::ApplyFault;
 use capture::CaptureFault;
+use pipeline::PipelineFault;
 use relay::RelayFault;
 use snapshot::SnapshotFault;
 use std::cell::Cell;
@@ -225,6 +228,7 @@ enum Simulation {
     Apply(ApplyFault),
     Capture(CaptureFault),
     Snapshot(SnapshotFault),
+    Pipeline(PipelineFault),
 }
 
 /// One scenario of the failure matrix: what it simulates, the invariant it
@@ -253,6 +257,9 @@ const CAPTURE_RECOVERY: &str = "restart `trellara run` (or `trellara relay`): ca
 const SNAPSHOT: &str = "snapshot";
 const SNAPSHOT_PROOF: &str = "trellara chaos run --family snapshot";
 const SNAPSHOT_RECOVERY: &str = "rerun `trellara run --config trellara.yml`: a run not handed off is re-planned (new slot, new boundary), a handed-off one streams on from its slot; then `trellara verify`";
+const PIPELINE: &str = "pipeline";
+const PIPELINE_PROOF: &str = "trellara chaos run --family pipeline";
+const PIPELINE_RECOVERY: &str = "restart `trellara run --follow` (or the services): the round resumes from the log and the checkpoint; then `trellara verify`";
 const QUARANTINE_RECOVERY: &str = "fix the cause the quarantine record names (`trellara status --view diagnostics`, `trellara repair plan`), rerun `trellara run`: the quarantined transaction is retried first; then `trellara verify`";
 
 macro_rules! relay_crash {
@@ -311,8 +318,22 @@ macro_rules! target {
     };
 }
 
+macro_rules! pipeline {
+    ($id:literal, $fault:expr, $recovery:expr, $sim:literal, $inv:literal) => {
+        Scenario {
+            id: $id,
+            family: PIPELINE,
+            simulation: $sim,
+            invariant: $inv,
+            proof: PIPELINE_PROOF,
+            recovery: $recovery,
+            run: Simulation::Pipeline($fault),
+        }
+    };
+}
+
 /// The matrix as built so far.
-pub const SCENARIOS: [Scenario; 47] = [
+pub const SCENARIOS: [Scenario; 53] = [
     relay_crash!(
         "SS-01",
         ReceivedNotAppended,
@@ -658,6 +679,48 @@ pub const SCENARIOS: [Scenario; 47] = [
         "a stale process tries to move the handed-off run back to copying, planned or copied",
         "the state machine refuses unsafe backward transitions"
     ),
+    pipeline!(
+        "PL-01",
+        PipelineFault::CaptureCrash(CrashPoint::ReceivedNotAppended, SimCrash::LoseUnsynced),
+        PIPELINE_RECOVERY,
+        "the process dies in capture while its applier follows the log",
+        "a round ends however capture ends; nothing the log lost was applied"
+    ),
+    pipeline!(
+        "PL-02",
+        PipelineFault::CaptureCrash(CrashPoint::AppendedNotAcknowledged, SimCrash::TornTail),
+        PIPELINE_RECOVERY,
+        "the process dies in capture after an append, a torn write on disk",
+        "a round ends however capture ends; the next resumes from the log's durable transaction"
+    ),
+    pipeline!(
+        "PL-03",
+        PipelineFault::ApplierCrash(CrashPoint::AppliedNotCommitted),
+        PIPELINE_RECOVERY,
+        "the process dies in the applier with rows in its open target transaction",
+        "a failed stage stops capture: the round ends, never a capture following for no one"
+    ),
+    pipeline!(
+        "PL-04",
+        PipelineFault::ApplierCrash(CrashPoint::CommittedCursorNotMoved),
+        PIPELINE_RECOVERY,
+        "the process dies in the applier after a commit, before its cursor moved",
+        "a failed stage stops capture; the checkpoint skips what the target holds"
+    ),
+    pipeline!(
+        "PL-05",
+        PipelineFault::Refused,
+        QUARANTINE_RECOVERY,
+        "the target refuses a row while the flow follows",
+        "a failed stage stops capture: the round ends with the quarantine, never a hang"
+    ),
+    pipeline!(
+        "PL-06",
+        PipelineFault::SessionLost,
+        PIPELINE_RECOVERY,
+        "the source session drops while the applier has rows to apply",
+        "the stage learns that capture ended and applies all that is durable before the round reports the error"
+    ),
 ];
 
 /// Runs `scenario` over `seeds` seeds (from `first_seed`): the failing
@@ -670,6 +733,7 @@ pub fn run_scenario(scenario: &Scenario, first_seed: u64, seeds: u64) -> Result<
             Simulation::Apply(fault) => apply::history(seed, fault)?.faults,
             Simulation::Capture(fault) => capture::history(seed, fault)?.faults,
             Simulation::Snapshot(fault) => snapshot::history(seed, fault)?.faults,
+            Simulation::Pipeline(fault) => pipeline::history(seed, fault)?.faults,
         };
     }
     Ok(faults)

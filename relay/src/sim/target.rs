@@ -78,6 +78,10 @@ pub(crate) struct SimTarget {
     pub fired: u32,
     /// Each committed state, in commit order, since the last take.
     pub observed: Vec<Db>,
+    /// The checkpoint's commit LSN after each commit the applier saw
+    /// succeed, for what watches beside a running applier (the pipeline
+    /// family's operator).
+    pub applied_to: std::rc::Rc<std::cell::Cell<Lsn>>,
 }
 
 fn table_name(relation: &RelationSchema) -> String {
@@ -267,6 +271,11 @@ impl Target for SimTarget {
     ) -> Result<u64, Refusal> {
         let resolved = self.settle(settle)?;
         self.commit()?;
+        self.applied_to.set(
+            self.committed
+                .checkpoint
+                .map_or(Lsn::ZERO, |c| c.commit_lsn),
+        );
         Ok(resolved)
     }
 
