@@ -946,6 +946,31 @@ fn logged(log: &Log<SimStorage>, seed: u64) -> Result<Vec<Committed>, String> {
     Ok(out)
 }
 
+/// Reopens the log as a restarted relay does, with `consumers`
+/// registered, and where capture resumes; Err when the slot was confirmed
+/// past what the log holds (a gap no later session can fill).
+pub(super) fn reopen(
+    storage: &SimStorage,
+    consumers: &[&str],
+    confirmed: u64,
+) -> Result<(Log<SimStorage>, capture::Resume), String> {
+    let (log, _) = Log::open(storage.clone(), "/log", sim_log_config())
+        .map_err(|e| format!("reopen the log: {e}"))?;
+    for consumer in consumers {
+        log.register_consumer(consumer)
+            .map_err(|e| format!("register {consumer}: {e}"))?;
+    }
+    let resume = capture::read_resume(&log).map_err(|e| format!("resume: {e}"))?;
+    if confirmed > resume.ack_lsn.0 {
+        return Err(format!(
+            "the slot was confirmed to {} but the log holds only up to {}",
+            Lsn(confirmed),
+            resume.ack_lsn
+        ));
+    }
+    Ok((log, resume))
+}
+
 /// Runs one capture history with `fault`. Err names the broken invariant.
 pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, String> {
     let mut rng = Rng(seed ^ 0x00CA_97E5);
@@ -991,18 +1016,8 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
         if history.sessions > 6 {
             return Err(format!("seed {seed}: no progress after 6 sessions"));
         }
-        let (log, _) = Log::open(storage.clone(), "/log", sim_log_config())
-            .map_err(|e| format!("seed {seed}: reopen the log: {e}"))?;
-        log.register_consumer(capture::SOURCE_ACK)
-            .map_err(|e| format!("seed {seed}: register: {e}"))?;
-        let resume = capture::read_resume(&log).map_err(|e| format!("seed {seed}: resume: {e}"))?;
-        if confirmed.get() > resume.ack_lsn.0 {
-            return Err(format!(
-                "seed {seed}: the slot was confirmed to {} but the log holds only up to {} after a crash at {point:?} ({mode:?})",
-                Lsn(confirmed.get()),
-                resume.ack_lsn
-            ));
-        }
+        let (log, resume) = reopen(&storage, &[capture::SOURCE_ACK], confirmed.get())
+            .map_err(|e| format!("seed {seed}: {e} after a crash at {point:?} ({mode:?})"))?;
         let exhausted = Rc::new(Cell::new(false));
         let session = Session {
             seed: seed.wrapping_add(u64::from(history.sessions)),

@@ -30,7 +30,7 @@
 
 use super::capture::{self as sim_capture, Committed, Session, Walsender};
 use super::target::{Db, SimTarget, Table};
-use super::{CrashOnce, Rng, sim_log_config};
+use super::{CrashOnce, Rng};
 use crate::apply::postgres::text_of;
 use crate::apply::{Applier, ApplyError, cursor_name};
 use crate::capture::{self, CaptureError, CaptureStats, SourceStream};
@@ -198,20 +198,9 @@ pub(crate) fn history(seed: u64, fault: PipelineFault) -> Result<PipelineHistory
             ));
         }
         let when = format!("round {}", history.rounds);
-        let (log, _) = Log::open(storage.clone(), "/log", sim_log_config())
-            .map_err(|e| format!("seed {seed}: reopen the log: {e}"))?;
-        for consumer in [capture::SOURCE_ACK.to_owned(), cursor_name("sim")] {
-            log.register_consumer(&consumer)
-                .map_err(|e| format!("seed {seed}: register {consumer}: {e}"))?;
-        }
-        let resume = capture::read_resume(&log).map_err(|e| format!("seed {seed}: resume: {e}"))?;
-        if confirmed.get() > resume.ack_lsn.0 {
-            return Err(format!(
-                "seed {seed}: {when}: the slot was confirmed to {} but the log holds only up to {} ({fault:?})",
-                Lsn(confirmed.get()),
-                resume.ack_lsn
-            ));
-        }
+        let consumers = [capture::SOURCE_ACK, &cursor_name("sim")];
+        let (log, resume) = sim_capture::reopen(&storage, &consumers, confirmed.get())
+            .map_err(|e| format!("seed {seed}: {when}: {e} ({fault:?})"))?;
         let exhausted = Rc::new(Cell::new(false));
         let session = Session {
             seed: seed.wrapping_add(u64::from(history.rounds)),
