@@ -84,6 +84,10 @@ pub struct CaptureConfig {
     /// (`trellara_captured_transactions_total`) and reports its session
     /// lost or streaming again.
     pub observe: Option<crate::service::Observer>,
+    /// The boundary tables joined the flow at in this round, if any: the
+    /// session reconnects once when the stream reaches it (see
+    /// [`CaptureError::Rejoin`]).
+    pub rejoin_at: Option<Lsn>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -138,6 +142,17 @@ pub enum CaptureError {
     /// Only the simulator's crash hooks produce this.
     #[error("simulated crash at {0:?}")]
     Crashed(CrashPoint),
+    /// The stream reached the boundary of tables that joined the
+    /// publication this round: the session ends there and the next one
+    /// starts at it. A walsender that decoded a transaction open across
+    /// the `ALTER PUBLICATION` may cache a joined table as unpublished and
+    /// skip its changes in every later transaction (PostgreSQL before
+    /// 15.13, 16.9 and 17.5; seen on 16.2 here). A walsender started at
+    /// the boundary replays no such transaction: every one open across
+    /// the change committed before it (the boundary's slot waited for
+    /// them), and their changes to the joined tables are in the copy.
+    #[error("the stream reached the join boundary {at}; its session starts again there")]
+    Rejoin { at: Lsn },
 }
 
 impl CaptureError {
@@ -231,6 +246,7 @@ pub async fn run_on(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<CaptureStats, CaptureError> {
     use futures_util::FutureExt;
+    let mut config = config;
     log.register_consumer(SOURCE_ACK)?;
     let mut stats = CaptureStats::default();
     let mut backoff = Duration::from_millis(250);
@@ -244,6 +260,10 @@ pub async fn run_on(
         }
         match result {
             Ok(()) => return Ok(stats),
+            Err(CaptureError::Rejoin { at }) => {
+                tracing::info!(%at, "capture: a new session from the join boundary");
+                config.rejoin_at = None;
+            }
             Err(err) if err.is_transient() => {
                 tracing::warn!(error = %err, retry_in = ?backoff, "capture connection lost; retrying");
                 if let Some(o) = &config.observe {
@@ -908,6 +928,29 @@ impl Batch {
         Ok(())
     }
 
+    /// Ends the session at the join boundary `at`: whatever is received
+    /// is made durable, and the source is acknowledged to `at`. Called
+    /// once the stream shows a position at or past `at`, so every
+    /// transaction committed before it was received, and none at or past
+    /// it was taken: the next session replays exactly those.
+    async fn rejoin<S: Storage>(
+        &mut self,
+        at: Lsn,
+        log: &Log<S>,
+        stream: &mut impl SourceStream,
+        stats: &mut CaptureStats,
+        hooks: &dyn CrashHooks,
+    ) -> CaptureError {
+        self.idle = Some(at);
+        if let Err(e) = self.advance(log, stream, stats, hooks).await {
+            return e;
+        }
+        match stream.send_status().await {
+            Ok(()) => CaptureError::Rejoin { at },
+            Err(e) => e.into(),
+        }
+    }
+
     /// The error capture stops with. A refused message (fail closed) stops
     /// it, but everything assembled before it is whole and committed: that
     /// is made durable and acknowledged first, or every rerun would lose it
@@ -988,6 +1031,16 @@ async fn handle_event<S: Storage>(
                 in_stream_block: **in_stream_block,
             };
             let message = pgoutput::decode(&data, ctx)?;
+            let past = match &message {
+                Message::Begin(b) => Some(b.final_lsn),
+                Message::StreamCommit(c) => Some(c.commit_lsn),
+                _ => None,
+            };
+            if let Some(at) = config.rejoin_at
+                && past.is_some_and(|lsn| Lsn(lsn) >= at)
+            {
+                return Err(batch.rejoin(at, log, stream, stats, hooks).await);
+            }
             if let (Message::Begin(_), Some(begun)) = (&message, &config.begun) {
                 begun.notify_one();
                 // Even when the rest is already here: the applier's BEGIN
@@ -1014,6 +1067,14 @@ async fn handle_event<S: Storage>(
             wal_end,
             reply_requested,
         } => {
+            // Mid-transaction a keepalive can pass the boundary before
+            // that transaction's commit below it is received.
+            if let Some(at) = config.rejoin_at
+                && wal_end >= at
+                && !assembler.in_transaction()
+            {
+                return Err(batch.rejoin(at, log, stream, stats, hooks).await);
+            }
             // Everything up to wal_end was sent and processed: with nothing
             // open here, no committed transaction lies below it that is not
             // in the batch or the log. The source may move there once all
@@ -1116,6 +1177,7 @@ mod tests {
             progress: None,
             begun: None,
             observe: None,
+            rejoin_at: None,
         };
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()

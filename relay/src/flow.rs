@@ -995,12 +995,14 @@ async fn run_round<W: Watch>(
         stop: following.as_ref().map(|f| f.shutdown.clone()),
         follow,
     };
+    let mut rejoin_at = None;
     match ensure_boundary(boundary, source, &sessions.target, &health, progress).await? {
         Start::Snapshotted(copied) => {
             report.snapshot = Some(copied);
             health(FlowState::Starting);
         }
         Start::Resumed => {}
+        Start::Joined(at) => rejoin_at = Some(at),
         Start::Stopped => return Ok(report),
     }
 
@@ -1017,6 +1019,7 @@ async fn run_round<W: Watch>(
         log_dir,
         floor,
         pinned: snapshot_pins(&sessions.target, &flow.name).await?,
+        rejoin_at,
     };
     let capture = start_capture(
         capture_from,
@@ -1552,6 +1555,9 @@ struct CaptureFrom<'a> {
     floor: Lsn,
     /// The fingerprints the boundary copied the tables at.
     pinned: HashMap<String, u64>,
+    /// Where tables joined this round (external capture restarts its
+    /// session there: [`crate::capture::CaptureError::Rejoin`]).
+    rejoin_at: Option<Lsn>,
 }
 
 /// The external capture's configuration for one round.
@@ -1568,6 +1574,7 @@ fn capture_config(
         log_dir,
         floor,
         pinned,
+        rejoin_at,
     } = from;
     Ok(CaptureConfig {
         source: source_url.parse().map_err(|e| {
@@ -1593,6 +1600,7 @@ fn capture_config(
         progress: Some(Arc::clone(progress)),
         begun: Some(Arc::clone(begun)),
         observe,
+        rejoin_at,
     })
 }
 
@@ -1707,6 +1715,9 @@ enum Start {
     Snapshotted(SnapshotReport),
     /// From the boundary the target has.
     Resumed,
+    /// From the boundary the target has, with tables joined at `0`: the
+    /// publication changed this round.
+    Joined(Lsn),
     /// A signal stopped the copy while following: the round ends.
     Stopped,
 }
@@ -1909,7 +1920,7 @@ async fn joins_and_leaves(
                 "{} joined the flow at {at}; their changes before it are in their copy",
                 joined.join(", ")
             ));
-            Ok(Start::Resumed)
+            Ok(Start::Joined(at))
         }
         Err(e @ snapshot::SnapshotError::Stopped) if follow => {
             progress(&e.to_string());

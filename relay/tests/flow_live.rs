@@ -1319,6 +1319,100 @@ fn tables_join_and_leave_on_sighup_on(major: Major) {
 }
 
 #[test]
+fn a_transaction_open_across_a_table_join_loses_nothing() {
+    on_every_major(a_transaction_open_across_a_table_join_loses_nothing_on);
+}
+
+/// The upstream bug fixed in PostgreSQL 15.13, 16.9 and 17.5 ("changes
+/// lost around ALTER PUBLICATION"): a walsender decoding a transaction that
+/// touched a table before the table joined the publication, and again
+/// after, caches the table as unpublished and went on skipping its changes
+/// in later transactions too. A table joining on SIGHUP meets exactly that:
+/// a source transaction open across the join, writing the table on both
+/// sides of the `ALTER PUBLICATION`. Its rows must reach the target (the
+/// copy at the boundary holds them), and so must every later change.
+fn a_transaction_open_across_a_table_join_loses_nothing_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 3);
+    let (mut child, addr, stderr) = spawn_follower(d);
+    let wait_until = |what: &str, secs: u64, ok: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        while !ok() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{major}: never {what}:\n{}",
+                stderr.lock().unwrap()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    wait_until("ready", 60, &|| http_get(&addr, "/readyz").0 == 200);
+    for c in [&p.source, &p.target] {
+        c.psql("CREATE TABLE public.extra (id int PRIMARY KEY, v text)");
+    }
+    p.source
+        .psql("INSERT INTO public.extra SELECT i, 'v' || i FROM generate_series(1, 5) i");
+    let mut open =
+        postgres::Client::connect(&p.source.connection_string("postgres"), postgres::NoTls)
+            .expect("source session");
+    open.batch_execute("BEGIN; INSERT INTO public.extra VALUES (100, 'before the join')")
+        .expect("open transaction");
+
+    let config = d.join("trellara.yml");
+    let text = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(
+        &config,
+        text.replace(
+            "  - public.line_items\n",
+            "  - public.line_items\n  - public.extra\n",
+        ),
+    )
+    .expect("config");
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).expect("sighup");
+    wait_until("the table published", 60, &|| {
+        p.source.psql_value(
+            "SELECT count(*) FROM pg_publication_tables WHERE schemaname = 'public' AND tablename = 'extra'",
+        ) == "1"
+    });
+    // The boundary's snapshot waits for this transaction; it writes the
+    // table again after the publication change committed, then ends.
+    open.batch_execute("INSERT INTO public.extra VALUES (101, 'after the join'); COMMIT")
+        .expect("commit the open transaction");
+    wait_until("the table joined", 60, &|| {
+        stderr
+            .lock()
+            .unwrap()
+            .contains("public.extra joined the flow at")
+    });
+    p.source.psql(
+        "INSERT INTO public.extra VALUES (6, 'v6'); UPDATE public.extra SET v = 'w' WHERE id = 1",
+    );
+    workload(&p.source, 100, 1);
+    wait_until("every change to the joined table applied", 60, &|| {
+        p.target
+            .psql_value("SELECT count(*) || ' ' || min(v) FROM public.extra")
+            == "8 after the join"
+            && p.target
+                .psql_value("SELECT v FROM public.extra WHERE id = 1")
+                == "w"
+    });
+    let status = terminate(&mut child);
+    assert!(
+        status.success(),
+        "{major}: {status}\n{}",
+        stderr.lock().unwrap()
+    );
+    assert!(
+        run_verify(d, "verify").contains("CONVERGED"),
+        "{major}: the flow converges after the join"
+    );
+}
+
+#[test]
 fn truncates_apply_with_their_own_restart_identity() {
     on_every_major(truncates_apply_with_their_own_restart_identity_on);
 }
@@ -3300,6 +3394,40 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
     workload(&p.source, 300, 2);
     wait_until("applied on the old slot", &|| {
         p.target.psql_value(orders) == "22"
+    });
+    // Nor the source URL or the capture path: each is refused by name.
+    let mut moved_source = false;
+    let elsewhere: String = live
+        .lines()
+        .map(|line| {
+            let (indent, rest) = line.split_at(line.len() - line.trim_start().len());
+            let swapped = if !moved_source && rest.starts_with("url: postgresql") {
+                moved_source = true;
+                format!("{indent}url: postgresql://nobody@127.0.0.1:1/elsewhere")
+            } else if rest.starts_with("capture: external") {
+                format!("{indent}capture: native")
+            } else {
+                line.to_owned()
+            };
+            swapped + "\n"
+        })
+        .collect();
+    assert!(
+        moved_source && elsewhere.contains("capture: native"),
+        "the config names its source URL and capture path:\n{live}"
+    );
+    std::fs::write(&config, &elsewhere).expect("config");
+    hangup();
+    for field in ["flows[shop].source.url", "flows[shop].capture"] {
+        wait_until(field, &|| {
+            stderr.lock().unwrap().contains(&format!(
+                "{field} changed: refused, the flow keeps running as it was"
+            ))
+        });
+    }
+    workload(&p.source, 400, 2);
+    wait_until("applied from the old source", &|| {
+        p.target.psql_value(orders) == "24"
     });
     let status = terminate(&mut child);
     assert!(

@@ -128,6 +128,7 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         progress: None,
         begun: None,
         observe: None,
+        rejoin_at: None,
     };
     let stats = runtime.block_on(capture::run(config, crate::flow::until_signal()))?;
     errln!(

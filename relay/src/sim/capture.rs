@@ -877,6 +877,7 @@ pub(super) fn config() -> CaptureConfig {
         progress: None,
         begun: None,
         observe: None,
+        rejoin_at: None,
     }
 }
 
@@ -1008,6 +1009,7 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
     let captured = observer.metrics.captured.clone();
     let config = CaptureConfig {
         observe: Some(observer),
+        rejoin_at: None,
         ..config()
     };
     let mut refusals = 0;
