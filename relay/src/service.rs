@@ -53,6 +53,9 @@ pub struct FlowHealth {
     pub lag_seconds: Option<f64>,
     /// The last error, one line per cause; cleared when a round streams.
     pub last_error: Option<String>,
+    /// The sink's log cursor was dropped past the log's cap: it is copied
+    /// again at a boundary of its own once its target takes writes.
+    pub needs_copy: bool,
     /// When the applier last reported its lag: a report this old adds its
     /// age to the lag, so an applier stuck on its target shows as lagging.
     #[serde(skip)]
@@ -119,6 +122,7 @@ impl Health {
                 state: FlowState::Starting,
                 lag_seconds: None,
                 last_error: None,
+                needs_copy: false,
                 reported: None,
             },
         );
@@ -176,6 +180,11 @@ impl Health {
                 } else {
                     format!("flow {}, sink {}", f.flow, f.dataset_id)
                 };
+                if f.needs_copy {
+                    return Some(format!(
+                        "{who}: needs a copy: it held the log past its cap (transport.retention_mib) and its cursor was dropped; it is copied again at a boundary of its own once its target takes writes"
+                    ));
+                }
                 match (f.state, f.lag_seconds) {
                     (FlowState::Following, Some(lag)) if lag > max => Some(format!(
                         "{who}: lag {lag:.1} s is over service.ready_max_lag_seconds ({max} s)"
@@ -218,6 +227,8 @@ impl FlowReporter {
                     f.reported = Some(std::time::Instant::now());
                 }
                 FlowState::Following => f.last_error = None,
+                // Its new copy has begun: what it needed is under way.
+                FlowState::Snapshotting => f.needs_copy = false,
                 // A new round: the last one's lag says nothing of this one.
                 FlowState::Starting => {
                     f.lag_seconds = None;
@@ -234,6 +245,20 @@ impl FlowReporter {
             f.lag_seconds = Some(seconds);
             f.reported = Some(std::time::Instant::now());
         });
+    }
+
+    /// Marks the flow's sink `dataset_id` as needing a copy (see
+    /// [`FlowHealth::needs_copy`]).
+    pub fn sink_needs_copy(&self, dataset_id: &str) {
+        let mut flows = self.health.lock();
+        let Some(flow) = flows.get(&self.flow).map(|f| f.flow.clone()) else {
+            return;
+        };
+        for f in flows.values_mut() {
+            if f.flow == flow && f.dataset_id == dataset_id {
+                f.needs_copy = true;
+            }
+        }
     }
 
     pub fn failed(&self, state: FlowState, error: String) {

@@ -3700,12 +3700,42 @@ service:
             from + 999
         ));
     }
+    let written = source.psql_value("SELECT pg_current_wal_lsn()");
     wait_until("the first sink converged past the cap", 120, &|| {
         first.psql_value(orders) == "6023"
+    });
+    // The stalled sink holds neither the log nor the slot: the slot is
+    // confirmed past everything the stall wrote.
+    wait_until("the slot confirmed past the stalled sink", 60, &|| {
+        source.psql_value(&format!(
+            "SELECT confirmed_flush_lsn >= '{written}' FROM pg_replication_slots WHERE slot_name = 'trellara_shop'"
+        )) == "t"
     });
     wait_until("the lake's cursor dropped", 60, &|| {
         stderr.lock().unwrap().contains("its cursor is dropped")
     });
+    // Health says so: the lake needs a copy, and the process is not
+    // ready while it does.
+    let (code, health) = http_get(&addr, "/healthz");
+    let health: serde_json::Value = serde_json::from_str(&health).expect("healthz json");
+    let needs: Vec<(&str, bool)> = health["flows"]
+        .as_array()
+        .expect("flows")
+        .iter()
+        .map(|f| (f["dataset_id"].as_str().unwrap(), f["needs_copy"] == true))
+        .collect();
+    assert_eq!(
+        (code, &health["ready"]),
+        (200, &serde_json::json!(false)),
+        "{major}: {health}"
+    );
+    assert_eq!(
+        needs,
+        [("lake", true), ("main", false)],
+        "{major}: {health}"
+    );
+    let (_, why) = http_get(&addr, "/readyz");
+    assert!(why.contains("sink lake: needs a copy"), "{major}: {why}");
     // Retention passes every 10 s: what was written after the drop goes
     // at the next one, within the cap and a segment.
     let log_bytes = || -> u64 {
@@ -3726,6 +3756,9 @@ service:
     workload(&source, 300, 2);
     wait_until("both follow after it", 60, &|| {
         first.psql_value(orders) == "6025" && lake.psql_value(orders) == "6025"
+    });
+    wait_until("ready again once the lake is copied", 60, &|| {
+        http_get(&addr, "/readyz").0 == 200
     });
     assert_eq!(lake.psql_value(content), source.psql_value(content));
     assert_eq!(first.psql_value(content), source.psql_value(content));

@@ -194,7 +194,8 @@ pub struct Signals<'a> {
 /// time, which would drop it again for ever.
 #[derive(Debug, Default)]
 pub struct Droppable {
-    cursors: Vec<String>,
+    /// Each droppable cursor, with its sink's name.
+    cursors: Vec<(String, String)>,
     copying: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
@@ -205,7 +206,12 @@ impl Droppable {
                 .sinks()
                 .iter()
                 .skip(1)
-                .map(|s| crate::apply::sink_cursor(&flow.name, s.name))
+                .map(|s| {
+                    (
+                        crate::apply::sink_cursor(&flow.name, s.name),
+                        s.name.to_owned(),
+                    )
+                })
                 .collect(),
             copying: std::sync::Mutex::default(),
         }
@@ -218,7 +224,18 @@ impl Droppable {
     }
 
     fn may_drop(&self, cursor: &str) -> bool {
-        self.cursors.iter().any(|c| c == cursor) && !self.copying_now().contains(cursor)
+        self.cursors.iter().any(|(c, _)| c == cursor) && !self.copying_now().contains(cursor)
+    }
+
+    fn any_held(&self, pressure: &[crate::log::ConsumerPressure]) -> bool {
+        pressure.iter().any(|p| self.may_drop(&p.consumer))
+    }
+
+    fn sink_of<'a>(&'a self, cursor: &'a str) -> &'a str {
+        self.cursors
+            .iter()
+            .find(|(c, _)| c == cursor)
+            .map_or(cursor, |(_, sink)| sink)
     }
 
     /// Keeps `cursor` from being dropped until the guard goes.
@@ -617,7 +634,12 @@ fn enforce_retention<S: Storage>(log: &Log<S>, observe: Option<&Observer>, dropp
         None => log.enforce_retention(),
     });
     match result {
-        Ok(report) if !over_cap(log, &report.pressure, droppable).is_empty() => {
+        Ok(report) if droppable.any_held(&report.pressure) => {
+            for sink in over_cap(log, &report.pressure, droppable) {
+                if let Some(o) = observe {
+                    o.health.sink_needs_copy(&sink);
+                }
+            }
             // What the dropped cursors held goes at once.
             enforce_retention(log, observe, &Droppable::default());
         }
@@ -640,8 +662,8 @@ fn enforce_retention<S: Storage>(log: &Log<S>, observe: Option<&Observer>, dropp
 /// retention would delete, so the log stays within its cap instead of
 /// growing for a sink that stalled: such a sink is copied again at a
 /// boundary of its own when it is back ([`super::sinks`]). The flow's
-/// slot follows the log's durability either way. Returns the cursors
-/// dropped.
+/// slot follows the log's durability either way. Returns the sinks whose
+/// cursors were dropped.
 pub fn over_cap<S: Storage>(
     log: &Log<S>,
     pressure: &[crate::log::ConsumerPressure],
@@ -652,7 +674,7 @@ pub fn over_cap<S: Storage>(
         match log.unregister_consumer(&held.consumer) {
             Ok(()) => {
                 tracing::warn!(cursor = %held.consumer, held_bytes = held.held_bytes, "a sink held the log past its cap (transport.retention_mib): its cursor is dropped, and the sink is copied again at a boundary of its own when it is back");
-                dropped.push(held.consumer.clone());
+                dropped.push(droppable.sink_of(&held.consumer).to_owned());
             }
             Err(e) => {
                 tracing::warn!(cursor = %held.consumer, error = %e, "could not drop a sink's cursor past the log's cap");
