@@ -12,6 +12,45 @@ fn trellara(args: &[&str]) -> std::process::Output {
         .expect("run trellara")
 }
 
+/// The short help shows exactly the nine public commands; the operator
+/// and evidence commands (relay, apply, chaos, log, ...) stay out of it.
+#[test]
+fn the_short_help_lists_exactly_the_nine_commands() {
+    let out = trellara(&["--help"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let listed: Vec<&str> = text
+        .split("Commands:\n")
+        .nth(1)
+        .expect("a command list")
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            "init",
+            "check",
+            "preflight",
+            "run",
+            "verify",
+            "status",
+            "fleet",
+            "lake",
+            "config"
+        ],
+        "{text}"
+    );
+    // Hidden is not gone: the operator commands still answer.
+    for hidden in ["relay", "apply", "chaos"] {
+        assert!(
+            trellara(&[hidden, "--help"]).status.success(),
+            "{hidden} --help"
+        );
+    }
+}
+
 #[test]
 fn log_inspect_verifies_every_envelope() {
     let dir = tempfile::tempdir().expect("tempdir");

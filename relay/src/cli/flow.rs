@@ -590,7 +590,7 @@ impl Prepared {
 
 #[derive(Debug, clap::Args)]
 pub struct ApplyArgs {
-    /// The config file; the flow must have transport: kafka.
+    /// The config file; the flow must have one sink (`target:`).
     #[arg(long)]
     config: PathBuf,
     /// The flow in --config (default: the only one).
@@ -598,7 +598,7 @@ pub struct ApplyArgs {
     flow: Option<String>,
 }
 
-/// `trellara apply --config`: the apply role of a Kafka flow, a service.
+/// `trellara apply --config`: the apply role of a flow of one sink, a service.
 pub fn apply(args: ApplyArgs) -> anyhow::Result<ExitCode> {
     Prepared::new(&args.config, args.flow.as_deref())?.serve(Role::Apply)
 }

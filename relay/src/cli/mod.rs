@@ -37,7 +37,10 @@ use std::process::ExitCode;
     name = "trellara",
     version,
     about = "Verified change data for PostgreSQL",
-    long_about = None
+    long_about = None,
+    // The short help lists the nine public commands and no tenth
+    // (`trellara <command> --help` gives a command's own).
+    disable_help_subcommand = true
 )]
 pub struct Cli {
     /// More logging: -v info, -vv debug, -vvv trace (RUST_LOG wins when set).
@@ -88,7 +91,7 @@ pub enum Command {
     /// Run the capture role: a slot into the durable log (and a Kafka flow's topic).
     #[command(hide = true)]
     Relay(relay::RelayArgs),
-    /// Run the apply role of a Kafka flow: its topic into the target.
+    /// Run the apply role of a flow of one sink: its topic or local log into the target.
     #[command(hide = true)]
     Apply(flow::ApplyArgs),
     /// Run the failure matrix (deterministic simulation).
