@@ -224,6 +224,7 @@ fn tls_and_scram_on_a_real_server() {
         progress: None,
         begun: None,
         observe: None,
+        rejoin_at: None,
     };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let handle = std::thread::spawn(move || {

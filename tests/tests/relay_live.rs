@@ -95,6 +95,7 @@ fn config(cluster: &Cluster, dir: &Path) -> CaptureConfig {
         progress: None,
         begun: None,
         observe: None,
+        rejoin_at: None,
     }
 }
 
