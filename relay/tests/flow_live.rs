@@ -1256,17 +1256,7 @@ fn tables_join_and_leave_on_sighup_on(major: Major) {
     let pid = nix::unistd::Pid::from_raw(child.id() as i32);
     let hangup = || nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).expect("sighup");
     let said = |what: &str| stderr.lock().unwrap().contains(what);
-    let wait_until = |what: &str, secs: u64, ok: &dyn Fn() -> bool| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-        while !ok() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "never {what}:\n{}",
-                stderr.lock().unwrap()
-            );
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-    };
+    let wait_until = waiter(major, &stderr);
 
     // A table without a key: refused by the first run's checks, undone.
     std::fs::write(&config, listed("  - public.nokey\n")).expect("config");
@@ -1338,17 +1328,7 @@ fn a_transaction_open_across_a_table_join_loses_nothing_on(major: Major) {
     let d = p.dir.path();
     workload(&p.source, 1, 3);
     let (mut child, addr, stderr) = spawn_follower(d);
-    let wait_until = |what: &str, secs: u64, ok: &dyn Fn() -> bool| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-        while !ok() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{major}: never {what}:\n{}",
-                stderr.lock().unwrap()
-            );
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-    };
+    let wait_until = waiter(major, &stderr);
     wait_until("ready", 60, &|| http_get(&addr, "/readyz").0 == 200);
     for c in [&p.source, &p.target] {
         c.psql("CREATE TABLE public.extra (id int PRIMARY KEY, v text)");
@@ -3437,6 +3417,25 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
     );
 }
 
+/// A [`wait_until`] for a spawned process: a failure names the major and
+/// shows what the process has written to stderr so far.
+fn waiter<'a>(
+    major: Major,
+    stderr: &'a std::sync::Mutex<String>,
+) -> impl Fn(&str, u64, &dyn Fn() -> bool) + 'a {
+    move |what, secs, ok| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+        while !ok() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{major}: never {what}:\n{}",
+                stderr.lock().unwrap()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
 /// Polls `ok` every 100 ms for up to `secs` seconds.
 fn wait_until(what: &str, secs: u64, ok: &dyn Fn() -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
@@ -3569,6 +3568,69 @@ fn terminate(child: &mut std::process::Child) -> std::process::ExitStatus {
 }
 
 #[test]
+fn two_sinks_naming_one_database_by_other_urls_apply_once() {
+    on_every_major(two_sinks_naming_one_database_on);
+}
+
+/// Two sinks whose URLs differ as text (a URL and the key-value form) but
+/// reach one database: the config cannot tell, so the target's flow lock
+/// does. The second sink is refused by name, with the fix, on every run,
+/// and the first applies on.
+fn two_sinks_naming_one_database_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    std::fs::write(
+        d.join("twice.yml"),
+        format!(
+            "schema_version: 2
+flows:
+  - name: shop
+    source:
+      url: {}
+    sinks:
+      - name: main
+        target:
+          url: {}
+      - name: lake
+        target:
+          url: {}
+    tables: [public.orders, public.line_items]
+    transport:
+      kind: local
+      log_dir: ./log
+service:
+  relay_listen: 127.0.0.1:0
+",
+            p.source.connection_string("postgres"),
+            p.target.connection_string("postgres"),
+            p.target.connection_config("postgres"),
+        ),
+    )
+    .expect("config");
+    workload(&p.source, 1, 3);
+    let out = trellara(d, &["run", "--config", "twice.yml", "--local"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{major}: refused: {stderr}");
+    assert!(
+        stderr.contains("flow shop, sink lake: its target's flow lock is held by")
+            && stderr.contains("two of the flow's sinks name one database"),
+        "{major}: the second sink named, with the fix: {stderr}"
+    );
+    workload(&p.source, 10, 2);
+    let out = trellara(d, &["run", "--config", "twice.yml", "--local"]);
+    assert!(!out.status.success(), "{major}: refused again");
+    let count = "SELECT count(*) FROM public.orders";
+    assert_eq!(p.source.psql_value(count), "5", "{major}");
+    assert_eq!(
+        p.target.psql_value(count),
+        "5",
+        "{major}: the first sink applies on"
+    );
+}
+
+#[test]
 fn two_sinks_share_one_slot_and_a_stalled_one_holds_back_neither() {
     on_every_major(two_sinks_share_one_slot_on);
 }
@@ -3625,17 +3687,7 @@ service:
     .expect("config");
     workload(&source, 1, 3);
     let (mut child, addr, stderr) = spawn_follower(d);
-    let wait_until = |what: &str, secs: u64, ok: &dyn Fn() -> bool| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-        while !ok() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{major}: never {what}:\n{}",
-                stderr.lock().unwrap()
-            );
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-    };
+    let wait_until = waiter(major, &stderr);
     wait_until("ready", 90, &|| http_get(&addr, "/readyz").0 == 200);
     let orders = "SELECT count(*) FROM public.orders";
     let content = "SELECT md5(string_agg(o::text, ',' ORDER BY id)) FROM public.orders o";
@@ -3912,17 +3964,7 @@ service:
     // The first sink quarantined while following: the lake goes on.
     first.psql("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (total < 5) NOT VALID");
     let (mut child, addr, stderr) = spawn_follower(d);
-    let wait_until = |what: &str, secs: u64, ok: &dyn Fn() -> bool| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-        while !ok() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{major}: never {what}:\n{}",
-                stderr.lock().unwrap()
-            );
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-    };
+    let wait_until = waiter(major, &stderr);
     wait_until("ready again", 90, &|| http_get(&addr, "/readyz").0 == 200);
     source.psql("INSERT INTO public.orders VALUES (9000, 'big', 99)");
     workload(&source, 500, 3);
