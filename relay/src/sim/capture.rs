@@ -58,6 +58,9 @@ pub(crate) enum CaptureFault {
     /// The source fails over in the ack window: the session drops, and the
     /// new primary's synced slot lags what the relay acknowledged.
     Failover,
+    /// A table joined mid-stream: the session ends at the join's boundary
+    /// and the next starts there ([`CaptureError::Rejoin`]).
+    Rejoin,
 }
 
 /// What one simulated history did.
@@ -1007,11 +1010,23 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
         live: crate::service::LiveSettings::new(None),
     };
     let captured = observer.metrics.captured.clone();
-    let config = CaptureConfig {
+    let mut config = CaptureConfig {
         observe: Some(observer),
         rejoin_at: None,
         ..config()
     };
+    // The boundary falls just before, at, or just after a commit, and
+    // before the last: the Begin of the transaction after it shows it.
+    if fault == CaptureFault::Rejoin && src.committed.len() >= 2 {
+        let k = 1 + rng.below(src.committed.len() as u64 - 1) as usize;
+        let at = match rng.below(3) {
+            0 => src.committed[k].commit_lsn - 1,
+            1 => src.committed[k].commit_lsn,
+            _ => src.committed[k - 1].commit_lsn + 1,
+        };
+        config.rejoin_at = Some(Lsn(at));
+    }
+    let boundary = config.rejoin_at;
     let mut refusals = 0;
     loop {
         history.sessions += 1;
@@ -1090,6 +1105,25 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
                 };
                 confirmed.set(synced);
             }
+            Err(CaptureError::Rejoin { at }) if boundary == Some(at) => {
+                // Acknowledged to the boundary, not short of it (the slot
+                // would replay what the log holds) and not past the first
+                // commit at or after it (that one was not taken).
+                history.faults += 1;
+                let first_after = src
+                    .committed
+                    .iter()
+                    .map(|c| c.commit_lsn)
+                    .find(|&c| c >= at.0);
+                let acked = confirmed.get();
+                if acked < at.0 || first_after.is_some_and(|c| acked > c) {
+                    return Err(format!(
+                        "seed {seed}: the session ended at the join boundary {at} with the source acknowledged to {} ({fault:?})",
+                        Lsn(acked)
+                    ));
+                }
+                config.rejoin_at = None;
+            }
             Err(CaptureError::Assembly(e)) if src.refused.is_some() => {
                 let text = e.to_string();
                 let expected = match fault {
@@ -1110,6 +1144,12 @@ pub(crate) fn history(seed: u64, fault: CaptureFault) -> Result<CaptureHistory, 
             }
             Err(e) => return Err(format!("seed {seed}: capture failed: {e} ({fault:?})")),
         }
+    }
+    if boundary.is_some() && history.faults != 1 {
+        return Err(format!(
+            "seed {seed}: the session did not end once at the join boundary {boundary:?}: {} times",
+            history.faults
+        ));
     }
     let (log, _) = Log::open(storage.clone(), "/log", sim_log_config())
         .map_err(|e| format!("seed {seed}: reopen the log: {e}"))?;

@@ -333,7 +333,7 @@ macro_rules! pipeline {
 }
 
 /// The matrix as built so far.
-pub const SCENARIOS: [Scenario; 53] = [
+pub const SCENARIOS: [Scenario; 54] = [
     relay_crash!(
         "SS-01",
         ReceivedNotAppended,
@@ -615,6 +615,13 @@ pub const SCENARIOS: [Scenario; 53] = [
         "point the flow at the new primary and restart capture: it resumes from the log's durable position",
         "the source fails over in the ack window: the session drops, the promoted standby's synced slot lags the acknowledged position",
         "no gap and no duplicate across a source failover"
+    ),
+    capture!(
+        "CA-10",
+        CaptureFault::Rejoin,
+        "none needed: capture starts its new session at the boundary by itself",
+        "a table joins mid-stream: the session ends at the join's boundary (just before, at or after a commit) and a new one starts there",
+        "a session ended at a join boundary acknowledges exactly the boundary: nothing before it replayed, nothing at or past it skipped"
     ),
     snapshot!(
         "SN-01",
