@@ -11,6 +11,7 @@ pub mod cli;
 pub use trellara_common::config;
 pub mod crash;
 pub mod errors;
+pub mod fence;
 pub mod flow;
 pub mod horizon;
 pub mod identity;

@@ -689,7 +689,7 @@ async fn slot_created(
 
 /// The transactions a slot creation on backend `pid` may be waiting for:
 /// prepared ones by gid, running ones by xid and backend.
-async fn blocking_transactions(source: &Client, pid: i32) -> String {
+pub(crate) async fn blocking_transactions(source: &Client, pid: i32) -> String {
     let prepared = source
         .query("SELECT gid, transaction::text FROM pg_prepared_xacts", &[])
         .await

@@ -67,6 +67,22 @@ pub struct Verdict {
     pub only_table: Option<String>,
     /// What is worth knowing but is no divergence (a sequence behind).
     pub notes: Vec<String>,
+    /// A following flow was compared at this source position (the fence,
+    /// [`crate::fence`]): both sides hold exactly the transactions
+    /// committing before it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fenced_at: Option<String>,
+    /// How long the fence held the flow's apply, in milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub apply_held_ms: Option<u64>,
+}
+
+/// How verify reaches a flow that follows, to fence it.
+#[derive(Debug, Clone, Copy)]
+pub struct Following<'a> {
+    /// For the fence's replication session.
+    pub source_url: &'a str,
+    pub timeout: std::time::Duration,
 }
 
 impl VerifyError {
@@ -122,6 +138,8 @@ pub enum VerifyError {
         message: String,
         hint: String,
     },
+    #[error(transparent)]
+    Fence(#[from] crate::fence::FenceError),
     #[error("lock the log directory {path} to read it\nhint: check that this user may write there")]
     LogLock {
         path: String,
@@ -507,10 +525,27 @@ impl Commands {
     }
 }
 
-/// Runs every check for `flow` and records the verdict in the target.
+/// The log of `flow` when a running process holds it and the fence can
+/// reach its applier through it (the local transport).
+fn followed_log(flow: &Flow) -> Result<Option<&Path>, VerifyError> {
+    let Some(dir) = flow.log_dir().filter(|d| d.exists()) else {
+        return Ok(None);
+    };
+    if matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
+        return Ok(None);
+    }
+    let free = crate::lock::try_lock(dir).map_err(|source| VerifyError::LogLock {
+        path: dir.display().to_string(),
+        source,
+    })?;
+    Ok(free.is_none().then_some(dir))
+}
+
+/// Runs every check for `flow` and records the verdict in the target. A
+/// flow that follows is compared at a fence when `following` says how.
 pub async fn verify(
     flow: &Flow,
-    sink: &str,
+    (sink, following): (&str, Option<Following<'_>>),
     source: &Client,
     target: &Client,
     only_table: Option<&str>,
@@ -531,9 +566,26 @@ pub async fn verify(
         .await
         .map_err(state_error)?;
     let commands = Commands::of(flow, config_path);
+    let cursor = crate::apply::sink_cursor(&flow.name, sink);
+    let fence = match (followed_log(flow)?, following) {
+        (Some(dir), Some(following)) => Some(
+            crate::fence::take(
+                flow,
+                (dir, &cursor),
+                (following.source_url, source, target),
+                following.timeout,
+            )
+            .await?,
+        ),
+        _ => None,
+    };
     // Everything committed before verify started, however it was
     // committed: the slot is peeked once it is flushed (crate::horizon).
-    let horizon = crate::horizon::last_record_end(source).await?;
+    // A fence makes the two sides' positions one.
+    let horizon = match fence {
+        Some(_) => None,
+        None => Some(crate::horizon::last_record_end(source).await?),
+    };
     let mut divergences = Vec::new();
     let tables = compare_tables(
         flow,
@@ -548,16 +600,30 @@ pub async fn verify(
     let checkpoint = crate::state::checkpoint::read(target, &flow.name)
         .await
         .map_err(VerifyError::Target)?;
-    let cursor = crate::apply::sink_cursor(&flow.name, sink);
-    watermarks(
-        flow,
-        (source, target),
-        &cursor,
-        horizon,
-        &commands,
-        &mut divergences,
-    )
-    .await?;
+    match horizon {
+        Some(horizon) => {
+            watermarks(
+                flow,
+                (source, target),
+                &cursor,
+                horizon,
+                &commands,
+                &mut divergences,
+            )
+            .await?;
+        }
+        None => {
+            // The fence's snapshots end here; what follows reads no rows.
+            source
+                .batch_execute("COMMIT")
+                .await
+                .map_err(VerifyError::Source)?;
+            target
+                .batch_execute("COMMIT")
+                .await
+                .map_err(VerifyError::Target)?;
+        }
+    }
     let quarantined = crate::state::quarantine::open(target, &flow.name)
         .await
         .map_err(VerifyError::Target)?;
@@ -608,6 +674,8 @@ pub async fn verify(
         duplicates_skipped: checkpoint.as_ref().map_or(0, |c| c.duplicates_skipped),
         only_table: only_table.map(str::to_owned),
         notes: sequence_notes(flow, source, target, &commands).await,
+        fenced_at: fence.map(|f| f.at.to_string()),
+        apply_held_ms: fence.map(|f| u64::try_from(f.held.as_millis()).unwrap_or(u64::MAX)),
     };
     settle(flow, target, snapshot.as_ref(), &mut verdict).await?;
     let evidence = serde_json::to_string(&verdict).unwrap_or_default();
@@ -696,7 +764,10 @@ async fn watermarks(
     match (flow.log_dir(), &lock) {
         (Some(dir), None) if dir.exists() => divergences.push(Divergence {
             code: "WATERMARK_UNVERIFIED",
-            detail: "the log was not read: a running trellara process (run --follow or relay) holds it, so what it captured but has not applied is unknown".to_owned(),
+            detail: match flow.transport {
+                crate::config::Transport::Kafka { .. } => "the log was not read: a running trellara process (run --follow or relay) holds it, so what it captured but has not applied is unknown; a flow on the kafka transport is not fenced (its applier reads the topic, which carries no position record to hold it at)".to_owned(),
+                crate::config::Transport::Local { .. } => "the log was not read: a running trellara process (run --follow or relay) holds it, so what it captured but has not applied is unknown".to_owned(),
+            },
             recovery: commands.busy.clone(),
         }),
         (Some(dir), Some(_)) => {
@@ -990,6 +1061,12 @@ pub fn render_text(v: &Verdict) -> String {
         for l in &t.limits {
             out.push_str(&format!("    not checked: {l}\n"));
         }
+    }
+    if let Some(at) = &v.fenced_at {
+        out.push_str(&format!(
+            "  compared at source LSN {at}: the flow follows, its apply was held {} ms at the fence\n",
+            v.apply_held_ms.unwrap_or(0)
+        ));
     }
     out.push_str(&format!(
         "  watermark {}  snapshot {} (consistent LSN {})  applied {} transactions, {} duplicates skipped\n",

@@ -137,6 +137,16 @@ pub struct Settle {
 pub use crate::state::quarantine::Record as QuarantineRecord;
 
 /// What the applier needs from a target database. Everything between
+/// The checkpoint lock's answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Locked {
+    /// The commit LSN of the last applied transaction.
+    pub checkpoint: Option<Lsn>,
+    /// Where a verify holds the applier ([`crate::fence`]): no transaction
+    /// committing at or past it is applied while it holds.
+    pub fence: Option<Lsn>,
+}
+
 /// `begin` and `settle_and_commit` is one atomic target transaction;
 /// `quarantine` runs outside one (after the rollback).
 #[allow(async_fn_in_trait)] // used on one task; no Send bound needed
@@ -157,13 +167,18 @@ pub trait Target {
     async fn applied(&self, flow: &str) -> Result<Option<Lsn>, TargetError>;
     /// Answers the checkpoint lock later: statements sent behind it do not
     /// wait for it. The target answers in order, so poll it alongside them.
-    type Lock: std::future::Future<Output = Result<Option<Lsn>, Refusal>>;
+    type Lock: std::future::Future<Output = Result<Locked, Refusal>>;
     /// Sends the lock of the flow's checkpoint (held until commit, so no
     /// other applier can interleave) and returns its answer to come.
     async fn send_lock_checkpoint(&mut self, flow: &str) -> Result<Self::Lock, Refusal>;
     /// The flow's checkpoint, locked until commit.
-    async fn lock_checkpoint(&mut self, flow: &str) -> Result<Option<Lsn>, Refusal> {
+    async fn lock_checkpoint(&mut self, flow: &str) -> Result<Locked, Refusal> {
         self.send_lock_checkpoint(flow).await?.await
+    }
+    /// The fence that holds the flow's applier now, read outside a
+    /// transaction: how a held applier learns it may go on.
+    async fn fence(&mut self, _flow: &str) -> Result<Option<Lsn>, TargetError> {
+        Ok(None)
     }
     /// Moves the checkpoint and the counts, then commits; returns how many
     /// quarantine records it resolved. On an error the caller rolls back.
@@ -307,6 +322,12 @@ pub struct Applier<T: Target = PgTarget> {
     open_after_commit: bool,
     metrics: Option<crate::metrics::FlowMetrics>,
     joined: Joined,
+    /// Where a verify holds this applier, as its last checkpoint lock or
+    /// look said ([`crate::fence`]): nothing committing at or past it is
+    /// applied.
+    fence: Option<Lsn>,
+    /// The last pass stopped at the fence.
+    held: bool,
 }
 
 /// Which relations the applier applies: the tables the flow copied (the
@@ -401,6 +422,9 @@ enum Next {
     Broken((u64, u64, String, Vec<u8>)),
     /// The log ends, or the rest of a chunked transaction is not durable yet.
     End,
+    /// The next transaction commits at or past the fence (it is left in
+    /// `pending`, not decoded).
+    Fenced,
 }
 
 /// Rows held back to be written together: a run of inserts into one table
@@ -426,6 +450,8 @@ enum Chunked {
     Incomplete,
     /// The run was cut by a crash; this record starts what follows.
     Restart(crate::log::Record),
+    /// A fence holds it: nothing of it applied.
+    Fenced,
 }
 
 /// How one try at a batch ended.
@@ -434,6 +460,9 @@ enum Attempt {
     Committed(Option<Lsn>),
     /// Rolled back: the checkpoint was not the one assumed.
     Moved,
+    /// Rolled back: a fence holds a transaction of the batch (the fence,
+    /// the checkpoint).
+    Fenced(Lsn, Option<Lsn>),
 }
 
 enum ChunkStep {
@@ -441,6 +470,7 @@ enum ChunkStep {
     Done(Settle),
     Incomplete,
     Restart(crate::log::Record),
+    Fenced,
 }
 
 /// What one read of the log gives the applier: whole transactions up to a
@@ -454,6 +484,8 @@ struct Read {
     broken: Option<(u64, u64, String, Vec<u8>)>,
     /// The log's durable end was reached.
     end: bool,
+    /// The next transaction commits at or past the fence.
+    fenced: bool,
 }
 
 /// Transactions decoded between two yields while a batch is read ahead:
@@ -468,11 +500,12 @@ async fn read_batch<D: RecordReader>(
     pending: &mut Option<crate::log::Record>,
     owner: &Owner<'_>,
     interleaved: bool,
+    fence: Option<Lsn>,
 ) -> Result<Read, ApplyError> {
     let mut read = Read::default();
     let mut rows = 0usize;
     while read.txns.len() < BATCH_TRANSACTIONS && rows < BATCH_ROWS {
-        match next_transaction(reader, pending, owner)? {
+        match next_transaction(reader, pending, owner, fence)? {
             Next::Txn(txn) => {
                 rows += txn.rows;
                 read.txns.push(txn);
@@ -491,6 +524,10 @@ async fn read_batch<D: RecordReader>(
                 read.end = true;
                 break;
             }
+            Next::Fenced => {
+                read.fenced = true;
+                break;
+            }
         }
         if interleaved && read.txns.len().is_multiple_of(READ_AHEAD_YIELD) {
             tokio::task::yield_now().await;
@@ -507,6 +544,7 @@ fn next_transaction<D: RecordReader>(
     reader: &mut D,
     pending: &mut Option<crate::log::Record>,
     owner: &Owner<'_>,
+    fence: Option<Lsn>,
 ) -> Result<Next, ApplyError> {
     let mut envelopes: Vec<Envelope> = Vec::new();
     loop {
@@ -517,6 +555,12 @@ fn next_transaction<D: RecordReader>(
                 None => return Ok(Next::End),
             },
         };
+        // A transaction's chunks share its commit LSN: one that started
+        // below the fence ends below it.
+        if envelopes.is_empty() && fence.is_some_and(|f| Lsn(record.commit_lsn) >= f) {
+            *pending = Some(record);
+            return Ok(Next::Fenced);
+        }
         let env = match envelope::decode(&record.payload) {
             Ok(env) => env,
             Err(e) => {
@@ -674,7 +718,15 @@ impl<T: Target> Applier<T> {
             open_after_commit: false,
             metrics: None,
             joined: Joined::default(),
+            fence: None,
+            held: false,
         }
+    }
+
+    /// Whether the last pass stopped at a verify's fence: the caller looks
+    /// again soon rather than wait for the log.
+    pub fn held(&self) -> bool {
+        self.held
     }
 
     /// Opens the next target transaction before its rows are in the log:
@@ -684,7 +736,7 @@ impl<T: Target> Applier<T> {
     /// answer is checked when the rows go); a failure here is left for the
     /// apply to meet again.
     pub async fn open_ahead(&mut self) {
-        let Some(assumed) = self.known_checkpoint else {
+        let Some(assumed) = self.known_checkpoint.filter(|_| self.fence.is_none()) else {
             return;
         };
         if self.opened.is_some() || self.begin().await.is_err() {
@@ -881,30 +933,42 @@ impl<T: Target> Applier<T> {
             config_path: &config_path,
         };
         let mut ahead = None;
+        self.held = false;
         loop {
             let read = match ahead.take() {
                 Some(read) => read,
-                None => read_batch(&mut reader, &mut pending, &owner, false).await?,
+                None => read_batch(&mut reader, &mut pending, &owner, false, self.fence).await?,
             };
             let Read {
                 txns: batch,
                 chunked,
                 broken,
                 end,
+                fenced,
             } = read;
             if !batch.is_empty() {
+                let fence = self.fence;
                 let applied = self.apply_batch(log, &batch, &mut stats, hooks);
-                if log.reads_ahead() && chunked.is_none() && broken.is_none() && !end {
+                let more = chunked.is_none() && broken.is_none() && !end && !fenced;
+                let held = if log.reads_ahead() && more {
                     // A full batch: more is there. Decoding it meanwhile
                     // takes the time the target spends on this one (PG 15,
                     // 500 single-row transactions: 1.3 ms of decoding,
                     // 1.0 ms of COPY, one after the other before).
-                    let (applied, next) =
-                        tokio::join!(applied, read_batch(&mut reader, &mut pending, &owner, true));
-                    applied?;
+                    let (applied, next) = tokio::join!(
+                        applied,
+                        read_batch(&mut reader, &mut pending, &owner, true, fence)
+                    );
+                    let held = applied?;
                     ahead = Some(next?);
+                    held
                 } else {
-                    applied.await?;
+                    applied.await?
+                };
+                if held {
+                    // The lock showed a fence inside the batch: what the
+                    // batch held past the applied part is read again.
+                    return self.hold(stats).await;
                 }
             }
             if let Some((first, record)) = chunked {
@@ -918,6 +982,7 @@ impl<T: Target> Applier<T> {
                 {
                     Chunked::Applied => {}
                     Chunked::Incomplete => return Ok(stats),
+                    Chunked::Fenced => return self.hold(stats).await,
                     Chunked::Restart(next) => pending = Some(next),
                 }
                 continue;
@@ -934,22 +999,44 @@ impl<T: Target> Applier<T> {
                     .quarantine_with(Lsn(commit_lsn), 0, reason, &payload, recovery)
                     .await?);
             }
+            if fenced {
+                // Still there, or released or moved meanwhile?
+                self.close_opened().await;
+                let now = self.target.fence(&self.flow).await?;
+                if now == self.fence {
+                    self.held = true;
+                    return Ok(stats);
+                }
+                self.fence = now;
+                continue;
+            }
             if batch.is_empty() || end {
                 return Ok(stats);
             }
         }
     }
 
+    /// Stops this pass at the fence its checkpoint lock showed. Nothing is
+    /// left open: the verify that holds it moves it with an update of the
+    /// checkpoint row, which an open transaction's lock would keep waiting.
+    async fn hold(&mut self, stats: ApplyStats) -> Result<ApplyStats, ApplyError> {
+        self.close_opened().await;
+        self.held = true;
+        Ok(stats)
+    }
+
     /// One target transaction for the whole batch; if it is refused, each
     /// transaction alone, so the one that cannot apply is the one
     /// quarantined and every one before it lands.
+    /// True when it stopped at a fence the checkpoint lock showed inside
+    /// the batch: the transactions below it are applied, the rest not.
     async fn apply_batch<R: Records>(
         &mut self,
         log: &R,
         batch: &[SourceTxn],
         stats: &mut ApplyStats,
         hooks: &dyn CrashHooks,
-    ) -> Result<(), ApplyError> {
+    ) -> Result<bool, ApplyError> {
         let mut tentative = ApplyStats::default();
         let single = batch.len() == 1;
         #[cfg(test)]
@@ -962,7 +1049,15 @@ impl<T: Target> Applier<T> {
             .apply_transactions(log, batch, &mut tentative, hooks)
             .await
         {
-            Ok(()) => {
+            Ok(Some(fence)) => {
+                // Rolled back: the part below the fence goes alone.
+                let below = batch.partition_point(|t| Lsn(t.commit_lsn) < fence);
+                if below > 0 {
+                    Box::pin(self.apply_batch(log, &batch[..below], stats, hooks)).await?;
+                }
+                return Ok(true);
+            }
+            Ok(None) => {
                 accumulate(stats, tentative);
                 if hooks.crash_at(CrashPoint::CommittedCursorNotMoved) {
                     return Err(ApplyError::Crashed(CrashPoint::CommittedCursorNotMoved));
@@ -970,7 +1065,7 @@ impl<T: Target> Applier<T> {
                 if let Some(last) = batch.last() {
                     self.moved_past(log, last.last_offset, last.commit_lsn)?;
                 }
-                return Ok(());
+                return Ok(false);
             }
             Err(Refusal::Transient(e)) => return Err(ApplyError::Target(e)),
             Err(Refusal::Crashed(point)) => return Err(ApplyError::Crashed(point)),
@@ -990,9 +1085,11 @@ impl<T: Target> Applier<T> {
             Err(Refusal::Data(_)) => {}
         }
         for txn in batch {
-            Box::pin(self.apply_batch(log, std::slice::from_ref(txn), stats, hooks)).await?;
+            if Box::pin(self.apply_batch(log, std::slice::from_ref(txn), stats, hooks)).await? {
+                return Ok(true);
+            }
         }
-        Ok(())
+        Ok(false)
     }
 
     /// What one committed target transaction adds to the metrics.
@@ -1068,13 +1165,18 @@ impl<T: Target> Applier<T> {
         batch: &[SourceTxn],
         stats: &mut ApplyStats,
         hooks: &dyn CrashHooks,
-    ) -> Result<(), Refusal> {
+    ) -> Result<Option<Lsn>, Refusal> {
         let mut assumed = self.known_checkpoint.take();
         loop {
             match self.apply_once(log, batch, stats, hooks, assumed).await? {
                 Attempt::Committed(checkpoint) => {
                     self.known_checkpoint = Some(checkpoint);
-                    return Ok(());
+                    return Ok(None);
+                }
+                Attempt::Fenced(fence, checkpoint) => {
+                    self.known_checkpoint = Some(checkpoint);
+                    *stats = ApplyStats::default();
+                    return Ok(Some(fence));
                 }
                 Attempt::Moved => {
                     tracing::info!(flow = %self.flow, "the checkpoint moved behind this applier: applying again lock first");
@@ -1102,6 +1204,15 @@ impl<T: Target> Applier<T> {
                 self.target.send_lock_checkpoint(&self.flow).await
             }
         };
+        // The batch is in commit order: its last is the one a fence holds
+        // first.
+        let last_commit = batch.last().map(|t| Lsn(t.commit_lsn));
+        let fenced = move |locked: &Locked| {
+            locked
+                .fence
+                .filter(|f| last_commit.is_some_and(|c| c >= *f))
+                .map(|f| Attempt::Fenced(f, locked.checkpoint))
+        };
         let result = async {
             let lock = lock?;
             let (checkpoint, settle) = match assumed {
@@ -1111,14 +1222,24 @@ impl<T: Target> Applier<T> {
                     // The lock answered first: its error, or a checkpoint
                     // moved by another writer, explains whatever the rows
                     // behind it met.
-                    if locked? != assumed {
-                        return Ok(None);
+                    let locked = locked?;
+                    self.fence = locked.fence;
+                    if locked.checkpoint != assumed {
+                        return Ok(Err(Attempt::Moved));
+                    }
+                    if let Some(fenced) = fenced(&locked) {
+                        return Ok(Err(fenced));
                     }
                     (assumed, settle)
                 }
                 None => {
                     let locked = lock.await?;
-                    (locked, self.write_rows(batch, locked, stats).await)
+                    self.fence = locked.fence;
+                    if let Some(fenced) = fenced(&locked) {
+                        return Ok(Err(fenced));
+                    }
+                    let checkpoint = locked.checkpoint;
+                    (checkpoint, self.write_rows(batch, checkpoint, stats).await)
                 }
             };
             let settle = settle?;
@@ -1130,14 +1251,16 @@ impl<T: Target> Applier<T> {
                     .await
                     .map_err(|e| Refusal::Undurable(Box::new(e.into())))?;
             }
-            Ok(Some((checkpoint, settle)))
+            Ok(Ok((checkpoint, settle)))
         }
         .await;
         match result {
-            Ok(Some((checkpoint, settle))) => {
+            Ok(Ok((checkpoint, settle))) => {
                 // A durable commit persists the cursor: the next one need
                 // not be durable unless the cursor is due again by then.
-                let next = self.open_after_commit.then(|| {
+                // Under a fence nothing is held open: the verify moves it
+                // with an update of the row an open transaction locks.
+                let next = (self.open_after_commit && self.fence.is_none()).then(|| {
                     self.cursor.every.is_zero() || (!self.began_durable && self.cursor.due())
                 });
                 let committed = match next {
@@ -1171,9 +1294,9 @@ impl<T: Target> Applier<T> {
                     }
                 }
             }
-            Ok(None) => {
+            Ok(Err(attempt)) => {
                 self.target.rollback().await;
-                Ok(Attempt::Moved)
+                Ok(attempt)
             }
             Err(Refusal::Crashed(point)) => Err(Refusal::Crashed(point)),
             Err(refusal) => {
@@ -1256,7 +1379,12 @@ impl<T: Target> Applier<T> {
         let mut current = first;
         let outcome = async {
             began?;
-            let checkpoint = self.target.lock_checkpoint(&self.flow).await?;
+            let locked = self.target.lock_checkpoint(&self.flow).await?;
+            self.fence = locked.fence;
+            if locked.fence.is_some_and(|f| Lsn(commit) >= f) {
+                return Ok(ChunkStep::Fenced);
+            }
+            let checkpoint = locked.checkpoint;
             #[cfg(test)]
             let checkpoint =
                 checkpoint.filter(|_| !mutation::IGNORE_CHECKPOINT.with(std::cell::Cell::get));
@@ -1358,6 +1486,10 @@ impl<T: Target> Applier<T> {
             Ok(ChunkStep::Incomplete) => {
                 self.target.rollback().await;
                 return Ok(Chunked::Incomplete);
+            }
+            Ok(ChunkStep::Fenced) => {
+                self.target.rollback().await;
+                return Ok(Chunked::Fenced);
             }
             Ok(ChunkStep::Restart(record)) => {
                 self.target.rollback().await;
@@ -1595,10 +1727,10 @@ mod tests {
         let mut reader = log.read_from(0).expect("reader");
         let mut pending = None;
         assert!(matches!(
-            next_transaction(&mut reader, &mut pending, &OWNER).expect("read"),
+            next_transaction(&mut reader, &mut pending, &OWNER, None).expect("read"),
             Next::Txn(_)
         ));
-        let err = next_transaction(&mut reader, &mut pending, &OWNER)
+        let err = next_transaction(&mut reader, &mut pending, &OWNER, None)
             .err()
             .expect("another source's record");
         assert!(
@@ -1630,7 +1762,7 @@ mod tests {
         // A chunked transaction is handed over at its first chunk, to be
         // applied one chunk at a time (apply_chunked restarts on a cut run).
         let Next::Chunked(first, record) =
-            next_transaction(&mut reader, &mut pending, &OWNER).expect("read")
+            next_transaction(&mut reader, &mut pending, &OWNER, None).expect("read")
         else {
             panic!("X starts chunked")
         };
@@ -1638,7 +1770,7 @@ mod tests {
         // A middle-of-run chunk without its start is skipped.
         let mut reader = log.read_from(1).expect("reader");
         let Next::Chunked(_, record) =
-            next_transaction(&mut reader, &mut pending, &OWNER).expect("read")
+            next_transaction(&mut reader, &mut pending, &OWNER, None).expect("read")
         else {
             panic!("the whole X")
         };
@@ -1647,13 +1779,14 @@ mod tests {
             "offset 1 (chunk 1 without chunk 0) skipped"
         );
         let mut reader = log.read_from(5).expect("reader");
-        let Next::Txn(second) = next_transaction(&mut reader, &mut pending, &OWNER).expect("read")
+        let Next::Txn(second) =
+            next_transaction(&mut reader, &mut pending, &OWNER, None).expect("read")
         else {
             panic!("Y")
         };
         assert_eq!((second.commit_lsn, second.envelopes.len()), (y, 1));
         assert!(matches!(
-            next_transaction(&mut reader, &mut pending, &OWNER).expect("read"),
+            next_transaction(&mut reader, &mut pending, &OWNER, None).expect("read"),
             Next::End
         ));
 
@@ -1663,7 +1796,7 @@ mod tests {
             .expect("append");
         let mut reader = log.read_from(6).expect("reader");
         assert!(matches!(
-            next_transaction(&mut reader, &mut pending, &OWNER).expect("read"),
+            next_transaction(&mut reader, &mut pending, &OWNER, None).expect("read"),
             Next::Chunked(..)
         ));
     }

@@ -15,7 +15,7 @@
 //! a durable one ([`Target::begin`]); the `SET LOCAL` rides in the `BEGIN`
 //! message, so it costs no round trip.
 
-use super::{QuarantineRecord, Refusal, Settle, Target, TargetError};
+use super::{Locked, QuarantineRecord, Refusal, Settle, Target, TargetError};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
@@ -197,17 +197,24 @@ impl PgTarget {
                 },
                 async { client.query_opt(&statement, &[&flow]).await }
             )?;
-            match row {
-                None => Ok(None),
-                Some(r) => {
-                    let text: String = r.get(0);
-                    text.parse().map(Some).map_err(|_| {
+            let Some(r) = row else {
+                return Ok(Locked::default());
+            };
+            let lsn = |i: usize| {
+                let text: Option<String> = r.get(i);
+                text.map(|text| {
+                    text.parse().map_err(|_| {
                         Refusal::Data(format!(
                             "the checkpoint of flow {flow} reads {text:?}, not an LSN (trellara.checkpoints was edited by hand)\nhint: reseed the flow (trellara reseed --config ...)"
                         ))
                     })
-                }
-            }
+                })
+                .transpose()
+            };
+            Ok(Locked {
+                checkpoint: lsn(0)?,
+                fence: lsn(1)?,
+            })
         });
         let sent = std::future::poll_fn(|cx| Poll::Ready(lock.as_mut().poll(cx))).await;
         match sent {
@@ -497,7 +504,11 @@ impl Target for PgTarget {
         Ok(crate::state::checkpoint::applied(&*self.client, flow).await?)
     }
 
-    type Lock = Pin<Box<dyn Future<Output = Result<Option<Lsn>, Refusal>>>>;
+    type Lock = Pin<Box<dyn Future<Output = Result<Locked, Refusal>>>>;
+
+    async fn fence(&mut self, flow: &str) -> Result<Option<Lsn>, TargetError> {
+        Ok(crate::state::fence::current(&self.client, flow).await?)
+    }
 
     /// Sent at once, together with the held-back `BEGIN`.
     async fn send_lock_checkpoint(&mut self, flow: &str) -> Result<Self::Lock, Refusal> {

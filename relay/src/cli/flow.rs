@@ -113,6 +113,11 @@ pub struct VerifyArgs {
     /// table is read in chunks, never in one scan).
     #[arg(long, default_value_t = verify::CHUNK_ROWS, value_parser = clap::value_parser!(u64).range(1..))]
     chunk_rows: u64,
+    /// Seconds a following flow's fence may take (the temporary slot waits
+    /// for running source transactions); past it verify gives up, the
+    /// apply goes on.
+    #[arg(long, default_value_t = crate::fence::DEFAULT_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
+    fence_timeout: u64,
     #[arg(long, value_enum, default_value_t)]
     format: Format,
 }
@@ -933,7 +938,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     table: None,
                 },
                 args.format,
-                verify::CHUNK_ROWS,
+                (verify::CHUNK_ROWS, crate::fence::DEFAULT_TIMEOUT),
                 &rt,
             )
         });
@@ -988,7 +993,10 @@ pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
                 table: table.as_deref(),
             },
             args.format,
-            args.chunk_rows,
+            (
+                args.chunk_rows,
+                std::time::Duration::from_secs(args.fence_timeout),
+            ),
             &rt,
         )
     })
@@ -1019,7 +1027,7 @@ fn verify_flows(
     config_path: &str,
     only: Only<'_>,
     format: Format,
-    chunk_rows: u64,
+    (chunk_rows, fence_timeout): (u64, std::time::Duration),
     rt: &tokio::runtime::Runtime,
 ) -> anyhow::Result<ExitCode> {
     let Only {
@@ -1046,7 +1054,13 @@ fn verify_flows(
                     anyhow::Ok(
                         verify::verify(
                             f,
-                            sink.name,
+                            (
+                                sink.name,
+                                Some(verify::Following {
+                                    source_url: &source_url,
+                                    timeout: fence_timeout,
+                                }),
+                            ),
                             &source,
                             &target,
                             table,
@@ -1513,7 +1527,7 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
                     table: None,
                 },
                 args.format,
-                verify::CHUNK_ROWS,
+                (verify::CHUNK_ROWS, crate::fence::DEFAULT_TIMEOUT),
                 &rt,
             )
         });

@@ -311,14 +311,21 @@ pub async fn apply_stage<T: Target, S: Storage>(
             delivery.persist(applier, log, false).await?;
             return Ok(total);
         }
-        let idle = tokio::time::sleep(tuning.idle_tick);
+        // Held at a verify's fence, it looks again soon, whatever the log
+        // does: the fence moves on the target.
+        let held = applier.held();
+        let idle = tokio::time::sleep(if held {
+            crate::fence::HELD_POLL
+        } else {
+            tuning.idle_tick
+        });
         tokio::pin!(idle);
         loop {
             tokio::select! {
                 biased;
                 _ = captured.changed() => break,
-                _ = moved.wait_for(|()| delivery.horizon(log) > seen) => break,
-                () = begun.notified(), if delivery.opens_ahead() => {
+                _ = moved.wait_for(|()| delivery.horizon(log) > seen), if !held => break,
+                () = begun.notified(), if delivery.opens_ahead() && !held => {
                     applier.open_ahead().await;
                     // Its rows get the whole tick to come.
                     idle.as_mut().reset(tokio::time::Instant::now() + tuning.idle_tick);
@@ -588,7 +595,13 @@ pub async fn apply_round(
                 followed.persist(&mut applier).await?;
                 return Ok::<(), FlowError>(());
             }
-            if idle {
+            if applier.held() {
+                // The fence moves on the target, not in the log.
+                tokio::select! {
+                    () = tokio::time::sleep(crate::fence::HELD_POLL) => {}
+                    _ = stop.wait_for(|s| *s) => {}
+                }
+            } else if idle {
                 tokio::select! {
                     waited = followed.wait(IDLE_WAIT) => waited?,
                     _ = stop.wait_for(|s| *s) => {}

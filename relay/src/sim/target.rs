@@ -7,7 +7,9 @@
 //! state is kept, so the simulator can check what a concurrent reader could
 //! have observed at each commit.
 
-use crate::apply::{QuarantineRecord, Refusal, Settle, Target, TargetError, postgres::text_of};
+use crate::apply::{
+    Locked, QuarantineRecord, Refusal, Settle, Target, TargetError, postgres::text_of,
+};
 use crate::state::SnapshotState;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -287,13 +289,13 @@ impl Target for SimTarget {
         Ok(self.committed.checkpoint.map(|c| c.commit_lsn))
     }
 
-    type Lock = std::future::Ready<Result<Option<Lsn>, Refusal>>;
+    type Lock = std::future::Ready<Result<Locked, Refusal>>;
 
     async fn send_lock_checkpoint(&mut self, _flow: &str) -> Result<Self::Lock, Refusal> {
-        Ok(std::future::ready(Ok(self
-            .open()?
-            .checkpoint
-            .map(|c| c.commit_lsn))))
+        Ok(std::future::ready(Ok(Locked {
+            checkpoint: self.open()?.checkpoint.map(|c| c.commit_lsn),
+            fence: None,
+        })))
     }
 
     async fn insert_rows(

@@ -76,9 +76,13 @@ pub async fn reset_at_boundary(
 /// The applier's statements, prepared once per session: it runs them
 /// inside its own transactions, in the order its commit protocol needs.
 pub mod applier {
-    /// Locks the row for the transaction that will move it.
-    pub const LOCK: &str =
-        "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1 FOR UPDATE";
+    /// Locks the row for the transaction that will move it; also reads
+    /// where a verify holds the applier ([`crate::state::fence`]).
+    pub const LOCK: &str = concat!(
+        "SELECT commit_lsn::text, ",
+        crate::state::fence::fence_text!(),
+        " FROM trellara.checkpoints WHERE flow = $1 FOR UPDATE"
+    );
     /// `$1` flow, `$2` source id, `$3` commit LSN, `$4` end LSN, `$5` xid,
     /// `$6` transactions and `$7` duplicates to add.
     pub const UPSERT: &str = "INSERT INTO trellara.checkpoints AS c (flow, source_id, commit_lsn, end_lsn, xid, transactions, duplicates_skipped)

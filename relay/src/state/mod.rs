@@ -10,6 +10,7 @@
 //! it accounts for; that is what makes redelivery detectable.
 
 pub mod checkpoint;
+pub mod fence;
 pub mod quarantine;
 pub mod runs;
 pub mod verdicts;
@@ -95,6 +96,15 @@ DO $$ BEGIN
         ALTER TABLE trellara.snapshot_tables ADD COLUMN boundary_lsn pg_lsn;
     END IF;
 END $$;
+-- Where verify holds the applier (state::fence); NULL or without its
+-- holder's advisory lock: nowhere.
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                   WHERE table_schema = 'trellara' AND table_name = 'checkpoints'
+                     AND column_name = 'fence_lsn') THEN
+        ALTER TABLE trellara.checkpoints ADD COLUMN fence_lsn pg_lsn;
+    END IF;
+END $$;
 -- Why a flow's last run stopped when it needs someone (schema drift, a
 -- lost slot, a record of another source); cleared by a run that ends well.
 CREATE TABLE IF NOT EXISTS trellara.flow_stops (
@@ -167,9 +177,10 @@ pub async fn forget(client: &Client, flow: &str) -> Result<(), tokio_postgres::E
 
 /// The columns [`SCHEMA`] adds to a table an older build made, as
 /// (table, column).
-const ADDED_COLUMNS: [(&str, &str); 2] = [
+const ADDED_COLUMNS: [(&str, &str); 3] = [
     ("trellara.snapshot_tables", "fingerprint"),
     ("trellara.snapshot_tables", "boundary_lsn"),
+    ("trellara.checkpoints", "fence_lsn"),
 ];
 
 /// Creates the state schema if missing or older than this build (each

@@ -1,0 +1,346 @@
+//! The LSN fence: how `trellara verify` reads a flow that is following
+//! (`run --follow`, or the relay and apply services) at one source
+//! position L without stopping capture.
+//!
+//! ```text
+//!  verify                                   applier (another process)
+//!  fence lock (target, session) ─┐
+//!  H = pg_current_wal_lsn()      │
+//!  fence_lsn = H ───────────────────────▶ applies only commits < H
+//!  temporary slot, exported snapshot: L, source snapshot at L
+//!  fence_lsn = L ───────────────────────▶ applies only commits < L, holds
+//!  slot confirmed past L: the log holds every commit < L
+//!  checkpoint = last commit < L in the log ◀── (applied)
+//!  target snapshot (REPEATABLE READ)
+//!  fence lock released ─────────────────▶ goes on
+//!  compare both snapshots
+//! ```
+//!
+//! Invariants:
+//! * The applier never passes L, before L is known too: every source
+//!   transaction it applied before the first fence committed before the
+//!   slot's creation began, so below L; after it, nothing at or past H
+//!   (read before the creation, so at most L).
+//! * Both snapshots are at L: the source's is the slot's own (a snapshot
+//!   read beside a separately read LSN is not: visibility order is not WAL
+//!   order), the target's is taken once the applier applied exactly every
+//!   transaction committing before L and holds there. The snapshot
+//!   handoff's rule is the fence's: a commit record starting at L is not in
+//!   the slot's snapshot, so it is held.
+//! * Bounded and safe. Every wait has the fence's deadline, and on any
+//!   error or timeout the fence is released before verify answers. The
+//!   hold is the fence lock of verify's target session, so a verify that
+//!   dies releases it; the temporary slot ends with its session and is
+//!   dropped as soon as the source snapshot is imported.
+
+use crate::config::Flow;
+use crate::log::{Log, LogConfig};
+use std::path::Path;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_postgres::Client;
+use trellara_common::Lsn;
+use trellara_external_relay::pgwire::{self, ConnectOptions, Connection};
+
+/// How often an applier held at a fence looks whether it moved.
+pub const HELD_POLL: Duration = Duration::from_millis(5);
+/// How often verify looks whether capture and the applier reached L.
+const STEP_POLL: Duration = Duration::from_millis(5);
+/// How long a fence may take unless verify is told otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum FenceError {
+    #[error(
+        "flow {flow}: another verify holds the flow's fence on this target\nhint: wait for it to finish, then run verify again"
+    )]
+    Busy { flow: String },
+    #[error(
+        "flow {flow} has no checkpoint on the target (its snapshot was not handed off yet), so no applier follows it to hold\nhint: wait until `trellara status --flow {flow}` shows the flow streaming, then run verify again"
+    )]
+    NoCheckpoint { flow: String },
+    #[error(
+        "flow {flow}: the fence was given up after {secs} s: {waiting}; the flow's apply goes on, nothing was compared\nhint: {hint}"
+    )]
+    TimedOut {
+        flow: String,
+        secs: u64,
+        waiting: String,
+        hint: String,
+    },
+    #[error(
+        "flow {flow}: the target's checkpoint {applied} is at or past the fence {at}, so the applier did not hold; nothing was compared"
+    )]
+    Passed { flow: String, applied: Lsn, at: Lsn },
+    #[error("fence: the source database")]
+    Source(#[source] tokio_postgres::Error),
+    #[error("fence: the target database")]
+    Target(#[source] tokio_postgres::Error),
+    #[error("fence: the source's replication session")]
+    Replication(#[from] pgwire::WireError),
+    #[error("fence: the source URL for a replication session: {0}")]
+    Url(String),
+    #[error("fence: the source exported no snapshot for the temporary slot")]
+    NoSnapshot,
+    #[error("fence: read the flow's log")]
+    Log(#[from] crate::log::Error),
+}
+
+/// Where a fenced verify compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fence {
+    /// L: both snapshots hold exactly the transactions committing before it.
+    pub at: Lsn,
+    /// The target's checkpoint in its snapshot: the last of them applied.
+    pub applied: Option<Lsn>,
+    /// How long the applier was held (from the first fence to the release).
+    pub held: Duration,
+}
+
+/// Takes both sides' snapshots at one position. On `Ok`, `source` and
+/// `target` are each inside a `REPEATABLE READ READ ONLY` transaction at
+/// [`Fence::at`], which the caller ends; the applier was released. On
+/// `Err`, neither is in a transaction and the applier was released.
+/// `cursor`: the sink's log cursor in `log_dir`, from which the log is
+/// read for the last transaction before L.
+pub async fn take(
+    flow: &Flow,
+    (log_dir, cursor): (&Path, &str),
+    (source_url, source, target): (&str, &Client, &Client),
+    timeout: Duration,
+) -> Result<Fence, FenceError> {
+    let name = &flow.name;
+    if !crate::state::fence::hold(target, name)
+        .await
+        .map_err(FenceError::Target)?
+    {
+        return Err(FenceError::Busy { flow: name.clone() });
+    }
+    let started = Instant::now();
+    let steps = Steps {
+        flow,
+        deadline: started + timeout,
+        timeout,
+    };
+    let taken = steps
+        .run((log_dir, cursor), (source_url, source, target))
+        .await;
+    // Whatever happened, the applier goes on; a session gone releases it
+    // on its own.
+    let released = crate::state::fence::release(target, name).await;
+    let held = started.elapsed();
+    match taken {
+        Ok(applied) => {
+            released.map_err(FenceError::Target)?;
+            Ok(Fence {
+                at: applied.0,
+                applied: applied.1,
+                held,
+            })
+        }
+        Err(e) => {
+            let _ = source.batch_execute("ROLLBACK").await;
+            let _ = target.batch_execute("ROLLBACK").await;
+            Err(e)
+        }
+    }
+}
+
+/// One fence's steps under its deadline.
+struct Steps<'a> {
+    flow: &'a Flow,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl Steps<'_> {
+    /// L and the checkpoint the target's snapshot holds.
+    async fn run(
+        &self,
+        (log_dir, cursor): (&Path, &str),
+        (source_url, source, target): (&str, &Client, &Client),
+    ) -> Result<(Lsn, Option<Lsn>), FenceError> {
+        let name = &self.flow.name;
+        let hold_at: Lsn = source
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .map_err(FenceError::Source)?
+            .get::<_, String>(0)
+            .parse()
+            .map_err(|_| FenceError::Url("pg_current_wal_lsn() is not an LSN".into()))?;
+        self.set(target, hold_at).await?;
+        let at = self.source_snapshot(source_url, source).await?;
+        self.set(target, at).await?;
+        self.captured_past(source, at).await?;
+        let expected = last_below(log_dir, cursor, at)?;
+        self.applied_through(target, expected, at).await?;
+        target
+            .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .await
+            .map_err(FenceError::Target)?;
+        // The snapshot is taken here: this is what the comparison sees.
+        let applied = crate::state::checkpoint::applied(target, name)
+            .await
+            .map_err(FenceError::Target)?;
+        if let Some(applied) = applied.filter(|a| *a >= at) {
+            return Err(FenceError::Passed {
+                flow: name.clone(),
+                applied,
+                at,
+            });
+        }
+        Ok((at, applied))
+    }
+
+    fn timed_out(&self, waiting: String, hint: &str) -> FenceError {
+        FenceError::TimedOut {
+            flow: self.flow.name.clone(),
+            secs: self.timeout.as_secs(),
+            waiting,
+            hint: hint.to_owned(),
+        }
+    }
+
+    /// Moves the fence; the update waits for the applier's open
+    /// transaction, under the deadline.
+    async fn set(&self, target: &Client, at: Lsn) -> Result<(), FenceError> {
+        let set = crate::state::fence::set(target, &self.flow.name, at);
+        match tokio::time::timeout_at(self.deadline, set).await {
+            Ok(Ok(true)) => Ok(()),
+            Ok(Ok(false)) => Err(FenceError::NoCheckpoint {
+                flow: self.flow.name.clone(),
+            }),
+            Ok(Err(e)) => Err(FenceError::Target(e)),
+            Err(_) => Err(self.timed_out(
+                "the flow's checkpoint row stayed locked on the target".into(),
+                "a long target transaction holds trellara.checkpoints: see pg_stat_activity on the target",
+            )),
+        }
+    }
+
+    /// Creates a temporary slot exporting its snapshot, imports it into
+    /// `source` and drops the slot; its consistent point.
+    async fn source_snapshot(&self, source_url: &str, source: &Client) -> Result<Lsn, FenceError> {
+        let mut options: ConnectOptions = source_url
+            .parse()
+            .map_err(|e: pgwire::WireError| FenceError::Url(e.to_string()))?;
+        options.replication = true;
+        let mut repl = Connection::connect(&options).await?;
+        let pid = repl.backend_pid();
+        let slot = format!("trellara_fence_{pid}");
+        // It waits for every transaction with an xid running now to end,
+        // prepared ones included.
+        let created = match tokio::time::timeout_at(
+            self.deadline,
+            repl.create_temporary_slot(&slot),
+        )
+        .await
+        {
+            Ok(created) => created?,
+            Err(_) => {
+                let waiting = crate::snapshot::blocking_transactions(source, pid).await;
+                // Not left waiting on the server: it would create the
+                // slot once they end.
+                let _ = source
+                    .execute("SELECT pg_cancel_backend($1)", &[&pid])
+                    .await;
+                return Err(self.timed_out(
+                        format!("creating the fence's temporary slot waited for: {waiting}"),
+                        "let these transactions finish (COMMIT PREPARED / ROLLBACK PREPARED a prepared one), or give verify longer with --fence-timeout",
+                    ));
+            }
+        };
+        let snapshot = created.snapshot_name.ok_or(FenceError::NoSnapshot)?;
+        source
+            .batch_execute(&format!(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT {}",
+                pgwire::quote_literal(&snapshot)
+            ))
+            .await
+            .map_err(FenceError::Source)?;
+        // Imported: the slot and its session are no longer needed.
+        drop(repl);
+        Ok(created.consistent_point)
+    }
+
+    /// Waits until the flow's slot is confirmed at or past `at`: capture
+    /// acknowledges only what its log holds durably, so every transaction
+    /// committing before `at` is in the log then.
+    async fn captured_past(&self, source: &Client, at: Lsn) -> Result<(), FenceError> {
+        let slot = self.flow.slot();
+        loop {
+            let confirmed: Option<String> = source
+                .query_opt(
+                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .map_err(FenceError::Source)?
+                .and_then(|r| r.get(0));
+            let confirmed: Option<Lsn> = confirmed.and_then(|c| c.parse().ok());
+            if confirmed.is_some_and(|c| c >= at) {
+                return Ok(());
+            }
+            if Instant::now() >= self.deadline {
+                return Err(self.timed_out(
+                    format!(
+                        "the flow's capture did not pass the fence {at} (slot {slot} is confirmed at {})",
+                        confirmed.map_or("nothing".to_owned(), |c| c.to_string())
+                    ),
+                    "is the flow's capture running? `trellara status` shows it; verify a flow that is not following stopped",
+                ));
+            }
+            tokio::time::sleep(STEP_POLL).await;
+        }
+    }
+
+    /// Waits until the target's checkpoint reached `expected` (the last
+    /// commit before `at` in the log, if the cursor had not passed it).
+    async fn applied_through(
+        &self,
+        target: &Client,
+        expected: Option<Lsn>,
+        at: Lsn,
+    ) -> Result<(), FenceError> {
+        let Some(expected) = expected else {
+            return Ok(());
+        };
+        loop {
+            let applied = crate::state::checkpoint::applied(target, &self.flow.name)
+                .await
+                .map_err(FenceError::Target)?;
+            if applied.is_some_and(|a| a >= expected) {
+                return Ok(());
+            }
+            if Instant::now() >= self.deadline {
+                return Err(self.timed_out(
+                    format!(
+                        "the flow's apply did not reach the last transaction before the fence {at} (commit {expected}; the target's checkpoint is at {})",
+                        applied.map_or("nothing".to_owned(), |a| a.to_string())
+                    ),
+                    "is the flow's apply running, and not stopped by a quarantine? `trellara status` shows it",
+                ));
+            }
+            tokio::time::sleep(STEP_POLL).await;
+        }
+    }
+}
+
+/// The commit LSN of the last transaction before `at` in the log past the
+/// sink's cursor (everything before the cursor is applied); None when
+/// there is none there.
+fn last_below(dir: &Path, cursor: &str, at: Lsn) -> Result<Option<Lsn>, FenceError> {
+    let log = Log::follow(dir, LogConfig::default())?;
+    let start = log
+        .cursor(cursor)
+        .map_or(log.first_offset(), |c| c.next_offset);
+    let mut last = None;
+    for record in log.read_from(start)? {
+        let commit = Lsn(record?.commit_lsn);
+        if commit >= at {
+            break;
+        }
+        last = Some(commit);
+    }
+    Ok(last)
+}
