@@ -4068,3 +4068,120 @@ fn state_tables_of_an_older_build_are_completed_and_current_ones_only_checked() 
         });
     });
 }
+
+/// Orders from `first` on, one transaction each touching both tables, a
+/// few hundred a second, until `stop`: a live source. Returns how many
+/// committed.
+fn live_load(cluster: &Cluster, first: i64, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<i64> {
+    let mut client = cluster.connect();
+    std::thread::spawn(move || {
+        let mut o = first;
+        while !stop.load(Ordering::Relaxed) {
+            let mut tx = client.transaction().expect("begin");
+            tx.execute(
+                "INSERT INTO public.line_items VALUES ($1, 1, 1, 1.00, 'live')",
+                &[&o],
+            )
+            .expect("line");
+            tx.execute("INSERT INTO public.orders VALUES ($1, 'live', 1.00)", &[&o])
+                .expect("order");
+            // Rows of the flow's tables move too, not only new ones.
+            tx.execute(
+                "UPDATE public.orders SET total = total + 1 WHERE id = 1",
+                &[],
+            )
+            .expect("update");
+            tx.commit().expect("commit");
+            o += 1;
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        o - first
+    })
+}
+
+/// The verdict of `verify --format json` (one flow, one sink).
+fn verdict(d: &Path, extra: &[&str]) -> (Option<i32>, serde_json::Value, String) {
+    let mut args = vec!["verify", "--config", "trellara.yml", "--format", "json"];
+    args.extend(extra);
+    let out = trellara(d, &args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let json: serde_json::Value = serde_json::from_str(&stdout).unwrap_or(serde_json::Value::Null);
+    (out.status.code(), json[0].clone(), stderr)
+}
+
+#[test]
+fn a_following_flow_under_load_is_verified_at_a_fence_and_a_change_behind_it_is_named() {
+    on_every_major(
+        a_following_flow_under_load_is_verified_at_a_fence_and_a_change_behind_it_is_named_on,
+    );
+}
+
+fn a_following_flow_under_load_is_verified_at_a_fence_and_a_change_behind_it_is_named_on(
+    major: Major,
+) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 5);
+    let (mut child, _, stderr) = spawn_follower(d);
+    let wait = waiter(major, &stderr);
+    wait("applied the first orders", 60, &|| {
+        p.target.psql_value("SELECT count(*) FROM public.orders") == "5"
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = live_load(&p.source, 1000, Arc::clone(&stop));
+    let mut fences = Vec::new();
+    for i in 0..20 {
+        let (code, v, err) = verdict(d, &[]);
+        assert_eq!(
+            (code, v["result"].as_str()),
+            (Some(0), Some("CONVERGED")),
+            "{major}: verify {i} of a following flow under load:\n{v:#}\n{err}"
+        );
+        let at: trellara_common::Lsn = v["fenced_at"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{major}: verify {i} names its fence:\n{v:#}"))
+            .parse()
+            .expect("an LSN");
+        fences.push(at);
+    }
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "{major}: each verify fences later, while the source moves: {fences:?}"
+    );
+    // A row changed on the target behind the flow's back, one the load
+    // never touches: named by table and key.
+    p.target
+        .psql("UPDATE public.orders SET customer = 'behind its back' WHERE id = 3");
+    let (code, v, err) = verdict(d, &["--chunk-rows", "2"]);
+    stop.store(true, Ordering::Relaxed);
+    let committed = load.join().expect("load");
+    assert_eq!(code, Some(1), "{major}: DIVERGED exits 1:\n{v:#}\n{err}");
+    assert_eq!(v["result"], "DIVERGED", "{major}:\n{v:#}");
+    let divergences = v["divergences"].as_array().expect("divergences");
+    assert_eq!(divergences.len(), 1, "{major}: only the change:\n{v:#}");
+    assert_eq!(
+        divergences[0]["code"], "CHECKSUM_MISMATCH",
+        "{major}:\n{v:#}"
+    );
+    let orders = v["tables"]
+        .as_array()
+        .expect("tables")
+        .iter()
+        .find(|t| t["table"] == "public.orders")
+        .expect("orders compared");
+    assert_eq!(
+        orders["diverging_ranges"],
+        serde_json::json!(["ROW(id) BETWEEN ROW('3'::bigint) AND ROW('3'::bigint)"]),
+        "{major}: the range is the one key:\n{v:#}"
+    );
+    let status = terminate(&mut child);
+    assert!(
+        status.success(),
+        "{major}: {status}\n{}",
+        stderr.lock().unwrap()
+    );
+    eprintln!("{major}: {committed} transactions committed under the 21 verifies");
+}
