@@ -99,7 +99,8 @@ pub struct Fence {
 
 /// Takes both sides' snapshots at one position. On `Ok`, `source` and
 /// `target` are each inside a `REPEATABLE READ READ ONLY` transaction at
-/// [`Fence::at`], which the caller ends; the applier was released. On
+/// [`Fence::at`], which the caller ends (then [`forget`]s the fence); the
+/// applier was released. On
 /// `Err`, neither is in a transaction and the applier was released.
 /// `cursor`: the sink's log cursor in `log_dir`, from which the log is
 /// read for the last transaction before L.
@@ -141,8 +142,18 @@ pub async fn take(
         Err(e) => {
             let _ = source.batch_execute("ROLLBACK").await;
             let _ = target.batch_execute("ROLLBACK").await;
+            let _ = crate::state::fence::clear(target, name).await;
             Err(e)
         }
+    }
+}
+
+/// Clears the released fence's row once the caller's snapshot ended, so
+/// the applier's lock stops looking for its holder. Best effort: a fence
+/// left there holds nothing.
+pub async fn forget(target: &Client, flow: &Flow) {
+    if let Err(e) = crate::state::fence::clear(target, &flow.name).await {
+        tracing::warn!(flow = %flow.name, error = %crate::errors::Chain(&e), "the released fence was not cleared from trellara.checkpoints");
     }
 }
 

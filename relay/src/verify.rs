@@ -622,6 +622,7 @@ pub async fn verify(
                 .batch_execute("COMMIT")
                 .await
                 .map_err(VerifyError::Target)?;
+            crate::fence::forget(target, flow).await;
         }
     }
     let quarantined = crate::state::quarantine::open(target, &flow.name)

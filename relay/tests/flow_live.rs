@@ -4177,6 +4177,14 @@ fn a_following_flow_under_load_is_verified_at_a_fence_and_a_change_behind_it_is_
         serde_json::json!(["ROW(id) BETWEEN ROW('3'::bigint) AND ROW('3'::bigint)"]),
         "{major}: the range is the one key:\n{v:#}"
     );
+    // A released fence is cleared: the applier's lock no longer looks
+    // for its holder.
+    assert_eq!(
+        p.target
+            .psql_value("SELECT fence_lsn IS NULL FROM trellara.checkpoints WHERE flow = 'shop'"),
+        "t",
+        "{major}"
+    );
     let status = terminate(&mut child);
     assert!(
         status.success(),
@@ -4184,4 +4192,161 @@ fn a_following_flow_under_load_is_verified_at_a_fence_and_a_change_behind_it_is_
         stderr.lock().unwrap()
     );
     eprintln!("{major}: {committed} transactions committed under the 21 verifies");
+}
+
+/// The fence's temporary slot waits for every source transaction with an
+/// xid: one left open makes the fence give up at its timeout, naming it,
+/// and the flow's apply goes on with nothing left behind.
+#[test]
+fn a_long_source_transaction_makes_the_fence_give_up_cleanly() {
+    on_every_major(a_long_source_transaction_makes_the_fence_give_up_cleanly_on);
+}
+
+fn a_long_source_transaction_makes_the_fence_give_up_cleanly_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 5);
+    let (mut child, _, stderr) = spawn_follower(d);
+    let wait = waiter(major, &stderr);
+    wait("applied the first orders", 60, &|| {
+        p.target.psql_value("SELECT count(*) FROM public.orders") == "5"
+    });
+    let mut open = p.source.connect();
+    let mut tx = open.transaction().expect("begin");
+    tx.execute("INSERT INTO public.orders VALUES (500, 'open', 1.00)", &[])
+        .expect("an xid");
+    let backend: i32 = tx
+        .query_one("SELECT pg_backend_pid()", &[])
+        .expect("pid")
+        .get(0);
+    let started = std::time::Instant::now();
+    let (code, v, err) = verdict(d, &["--fence-timeout", "2"]);
+    let took = started.elapsed();
+    assert_eq!(code, Some(2), "{major}: could not verify:\n{v:#}\n{err}");
+    assert!(
+        err.contains("the fence was given up after 2 s")
+            && err.contains("creating the fence's temporary slot waited for")
+            && err.contains(&format!("(backend {backend},"))
+            && err.contains("the flow's apply goes on, nothing was compared"),
+        "{major}: names the transaction it waited for:\n{err}"
+    );
+    assert!(
+        took < std::time::Duration::from_secs(20),
+        "{major}: {took:?}"
+    );
+    tx.rollback().expect("rollback");
+    wait("dropped the fence's temporary slot", 30, &|| {
+        p.source.psql_value(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE 'trellara_fence%'",
+        ) == "0"
+    });
+    // The apply was released: what commits now arrives.
+    workload(&p.source, 6, 3);
+    wait("applied past the given-up fence", 60, &|| {
+        p.target.psql_value("SELECT count(*) FROM public.orders") == "8"
+    });
+    let (code, v, err) = verdict(d, &[]);
+    assert_eq!(
+        (code, v["result"].as_str()),
+        (Some(0), Some("CONVERGED")),
+        "{major}:\n{v:#}\n{err}"
+    );
+    let status = terminate(&mut child);
+    assert!(
+        status.success(),
+        "{major}: {status}\n{}",
+        stderr.lock().unwrap()
+    );
+}
+
+/// A verify killed inside its fence holds the applier no longer: the
+/// fence is the fence lock of verify's own target session, so the apply
+/// goes on by itself past the fence left in the checkpoint row, and the
+/// source keeps no slot of it.
+#[test]
+fn a_verify_killed_inside_its_fence_releases_the_apply() {
+    on_every_major(a_verify_killed_inside_its_fence_releases_the_apply_on);
+}
+
+fn a_verify_killed_inside_its_fence_releases_the_apply_on(major: Major) {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 5);
+    let (mut child, _, stderr) = spawn_follower(d);
+    let wait = waiter(major, &stderr);
+    wait("applied the first orders", 60, &|| {
+        p.target.psql_value("SELECT count(*) FROM public.orders") == "5"
+    });
+    // Idle long enough to have closed the transaction it opens ahead,
+    // then stopped: capture confirms nothing, so verify waits inside the
+    // fence for it to pass the fence's position.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let follower = Pid::from_raw(child.id() as i32);
+    kill(follower, Signal::SIGSTOP).expect("SIGSTOP");
+    let mut verify = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args([
+            "verify",
+            "--config",
+            "trellara.yml",
+            "--fence-timeout",
+            "120",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn verify");
+    wait_until(
+        "verify inside its fence, its snapshot imported",
+        60,
+        &|| {
+            p.target.psql_value(
+            "SELECT count(*) FROM trellara.checkpoints WHERE flow = 'shop' AND fence_lsn IS NOT NULL",
+        ) == "1"
+            && p.source.psql_value(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'
+                 AND backend_xmin IS NOT NULL AND pid <> pg_backend_pid()",
+            ) == "1"
+            && p.source.psql_value(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE 'trellara_fence%'",
+            ) == "0"
+        },
+    );
+    // Past the import it moves the fence at once; give it that moment.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(
+        verify.try_wait().expect("verify").is_none(),
+        "{major}: verify waits inside the fence"
+    );
+    verify.kill().expect("kill -9 verify");
+    verify.wait().expect("reaped");
+    workload(&p.source, 100, 3);
+    kill(follower, Signal::SIGCONT).expect("SIGCONT");
+    wait("applied past the dead verify's fence", 60, &|| {
+        p.target.psql_value("SELECT count(*) FROM public.orders") == "8"
+    });
+    assert_eq!(
+        p.source
+            .psql_value("SELECT string_agg(slot_name, ',') FROM pg_replication_slots"),
+        "trellara_shop",
+        "{major}: only the flow's own slot"
+    );
+    let (code, v, err) = verdict(d, &[]);
+    assert_eq!(
+        (code, v["result"].as_str()),
+        (Some(0), Some("CONVERGED")),
+        "{major}:\n{v:#}\n{err}"
+    );
+    let status = terminate(&mut child);
+    assert!(
+        status.success(),
+        "{major}: {status}\n{}",
+        stderr.lock().unwrap()
+    );
 }

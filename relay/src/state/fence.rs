@@ -60,6 +60,22 @@ pub async fn release(client: &Client, flow: &str) -> Result<(), tokio_postgres::
         .map(drop)
 }
 
+/// Forgets a fence nobody holds any longer, so the applier's lock no
+/// longer asks pg_locks about it; a fence another verify holds stays.
+pub async fn clear(client: &Client, flow: &str) -> Result<(), tokio_postgres::Error> {
+    client
+        .execute(
+            concat!(
+                "UPDATE trellara.checkpoints SET fence_lsn = NULL WHERE flow = $1 AND fence_lsn IS NOT NULL AND (",
+                fence_text!(),
+                ") IS NULL"
+            ),
+            &[&flow],
+        )
+        .await
+        .map(drop)
+}
+
 /// Moves the fence to `at`; false when the flow has no checkpoint row (no
 /// boundary handed off yet). Waits for the applier's open transaction,
 /// which holds the row: once this returns, its next one sees `at`.
