@@ -2993,6 +2993,24 @@ fn split_services_on(major: Major, broker: Option<&trellara_tests::Broker>) {
     wait_until("applied through the topic or log", &|| {
         p.target.psql_value(orders) == "17"
     });
+    // Verify beside the two services: fenced over the local log; on kafka
+    // the applier reads the topic, which holds no position to fence at.
+    let (code, v, err) = verdict(d, &[]);
+    match broker {
+        None => assert_eq!(
+            (code, v["result"].as_str(), v["fenced_at"].is_string()),
+            (Some(0), Some("CONVERGED"), true),
+            "{major}:\n{v:#}\n{err}"
+        ),
+        Some(_) => assert!(
+            code == Some(1)
+                && v["divergences"][0]["code"] == "WATERMARK_UNVERIFIED"
+                && v["divergences"][0]["detail"]
+                    .as_str()
+                    .is_some_and(|d| d.contains("the kafka transport is not fenced")),
+            "{major}:\n{v:#}\n{err}"
+        ),
+    }
     // The gauges are read every 2 s: let a read happen after the last write.
     std::thread::sleep(std::time::Duration::from_millis(2500));
     let (_, relay_metrics) = http_get(&relay_addr, "/metrics");
