@@ -1161,6 +1161,21 @@ fn a_native_follower_counts_and_keeps_no_foreign_wal() {
             7.0,
             "{major}: no transaction counted twice"
         );
+        // Verified while it follows: at a fence, on the native path too.
+        let fenced_verify = |when: &str| {
+            let out = as_owner(&["verify", "--config", "trellara.yml"])
+                .output()
+                .expect("verify");
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success()
+                    && text.contains("main CONVERGED")
+                    && text.contains("compared at source LSN"),
+                "{major}: verify {when}:\n{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        fenced_verify("after the inserts");
         // Foreign writes: 256 MiB of WAL in another database.
         source.psql("CREATE DATABASE elsewhere");
         let mut elsewhere = source.try_connect("elsewhere").expect("connect elsewhere");
@@ -1192,6 +1207,8 @@ fn a_native_follower_counts_and_keeps_no_foreign_wal() {
                 "trellara_slot_retained_wal_bytes",
             ) < limit as f64
         });
+        // Idle: the fence's position is passed by keepalives alone.
+        fenced_verify("of the idle flow");
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(child.id() as i32),
             nix::sys::signal::Signal::SIGTERM,
