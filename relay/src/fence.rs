@@ -182,8 +182,7 @@ impl Steps<'_> {
         self.set(target, hold_at).await?;
         let at = self.source_snapshot(source_url, source).await?;
         self.set(target, at).await?;
-        self.captured_past(source, at).await?;
-        let expected = last_below(log_dir, cursor, at)?;
+        let expected = self.last_below(log_dir, cursor, source, at).await?;
         self.applied_through(target, expected, at).await?;
         target
             .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
@@ -274,28 +273,64 @@ impl Steps<'_> {
         Ok(created.consistent_point)
     }
 
-    /// Waits until the flow's slot is confirmed at or past `at`: capture
-    /// acknowledges only what its log holds durably, so every transaction
-    /// committing before `at` is in the log then.
-    async fn captured_past(&self, source: &Client, at: Lsn) -> Result<(), FenceError> {
-        let slot = self.flow.slot();
+    /// The commit LSN of the last transaction before `at` in the log past
+    /// the sink's cursor (everything before the cursor is applied), once
+    /// the log holds every one of them durably: it holds a record
+    /// committing at or past `at` (they come in commit order), or capture
+    /// recorded an idle position past it (the source-ack cursor), or the
+    /// slot is confirmed past it (capture acknowledges only what its log
+    /// holds durably). None when there is none past the cursor.
+    async fn last_below(
+        &self,
+        log_dir: &Path,
+        cursor: &str,
+        source: &Client,
+        at: Lsn,
+    ) -> Result<Option<Lsn>, FenceError> {
+        let log = Log::follow(log_dir, LogConfig::default())?;
+        let mut next = log
+            .cursor(cursor)
+            .map_or(log.first_offset(), |c| c.next_offset);
+        let mut last = None;
+        let mut captured = false;
         loop {
-            let confirmed: Option<String> = source
-                .query_opt(
-                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&slot],
-                )
-                .await
-                .map_err(FenceError::Source)?
-                .and_then(|r| r.get(0));
-            let confirmed: Option<Lsn> = confirmed.and_then(|c| c.parse().ok());
-            if confirmed.is_some_and(|c| c >= at) {
-                return Ok(());
+            log.refresh()?;
+            // Behind the first record, every consumer is past (retention
+            // deleted it); ahead of the durable end, the cursor of an
+            // applier that reads what is written moved first.
+            next = next.max(log.first_offset());
+            let readable = if next < log.next_offset() {
+                Some(log.read_from(next)?)
+            } else {
+                None
+            };
+            for record in readable.into_iter().flatten() {
+                let record = record?;
+                if Lsn(record.commit_lsn) >= at {
+                    return Ok(last);
+                }
+                next = record.offset + 1;
+                last = Some(Lsn(record.commit_lsn));
+            }
+            // Known captured before the read above: that read saw it all.
+            if captured {
+                return Ok(last);
+            }
+            log.reload_cursors()?;
+            let idle = log
+                .cursor(crate::capture::SOURCE_ACK)
+                .and_then(|c| c.last_commit_lsn)
+                .map(Lsn);
+            let confirmed = self.confirmed(source).await?;
+            if idle.max(confirmed).is_some_and(|c| c >= at) {
+                captured = true;
+                continue;
             }
             if Instant::now() >= self.deadline {
                 return Err(self.timed_out(
                     format!(
-                        "the flow's capture did not pass the fence {at} (slot {slot} is confirmed at {})",
+                        "the flow's capture did not pass the fence {at} (slot {} is confirmed at {})",
+                        self.flow.slot(),
                         confirmed.map_or("nothing".to_owned(), |c| c.to_string())
                     ),
                     "is the flow's capture running? `trellara status` shows it; verify a flow that is not following stopped",
@@ -303,6 +338,19 @@ impl Steps<'_> {
             }
             tokio::time::sleep(STEP_POLL).await;
         }
+    }
+
+    /// The flow's slot's confirmed position.
+    async fn confirmed(&self, source: &Client) -> Result<Option<Lsn>, FenceError> {
+        let confirmed: Option<String> = source
+            .query_opt(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                &[&self.flow.slot()],
+            )
+            .await
+            .map_err(FenceError::Source)?
+            .and_then(|r| r.get(0));
+        Ok(confirmed.and_then(|c| c.parse().ok()))
     }
 
     /// Waits until the target's checkpoint reached `expected` (the last
@@ -335,23 +383,4 @@ impl Steps<'_> {
             tokio::time::sleep(STEP_POLL).await;
         }
     }
-}
-
-/// The commit LSN of the last transaction before `at` in the log past the
-/// sink's cursor (everything before the cursor is applied); None when
-/// there is none there.
-fn last_below(dir: &Path, cursor: &str, at: Lsn) -> Result<Option<Lsn>, FenceError> {
-    let log = Log::follow(dir, LogConfig::default())?;
-    let start = log
-        .cursor(cursor)
-        .map_or(log.first_offset(), |c| c.next_offset);
-    let mut last = None;
-    for record in log.read_from(start)? {
-        let commit = Lsn(record?.commit_lsn);
-        if commit >= at {
-            break;
-        }
-        last = Some(commit);
-    }
-    Ok(last)
 }

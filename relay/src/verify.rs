@@ -140,6 +140,14 @@ pub enum VerifyError {
     },
     #[error(transparent)]
     Fence(#[from] crate::fence::FenceError),
+    #[error(
+        "table {table} changed on the {side} (a DDL committed) while verify compared it at the fence {at}, so its rows were not judged\nhint: run verify again once the change is through; a change the flow cannot take stops it (trellara status)"
+    )]
+    SchemaMoved {
+        table: String,
+        side: &'static str,
+        at: String,
+    },
     #[error("lock the log directory {path} to read it\nhint: check that this user may write there")]
     LogLock {
         path: String,
@@ -613,6 +621,12 @@ pub async fn verify(
             .await?;
         }
         None => {
+            let at = fence.map(|f| f.at.to_string()).unwrap_or_default();
+            // A snapshot reads the catalog as of its start, a table's rows
+            // through its current file: a DDL that rewrote a table after
+            // the fence (before verify first read it) shows its rows as
+            // none, and would be a false divergence.
+            let seen = catalog_stamps(flow, only_table, source, target).await?;
             // The fence's snapshots end here; what follows reads no rows.
             source
                 .batch_execute("COMMIT")
@@ -623,6 +637,14 @@ pub async fn verify(
                 .await
                 .map_err(VerifyError::Target)?;
             crate::fence::forget(target, flow).await;
+            let now = catalog_stamps(flow, only_table, source, target).await?;
+            if let Some((moved, _)) = seen.iter().zip(&now).find(|(a, b)| a != b) {
+                return Err(VerifyError::SchemaMoved {
+                    table: moved.table.clone(),
+                    side: moved.side,
+                    at,
+                });
+            }
         }
     }
     let quarantined = crate::state::quarantine::open(target, &flow.name)
@@ -691,6 +713,54 @@ fn state_error(e: crate::snapshot::SnapshotError) -> VerifyError {
         crate::snapshot::SnapshotError::Target(t) => VerifyError::Target(t),
         other => VerifyError::State(other.to_string()),
     }
+}
+
+/// A table's catalog rows as one session sees them: what a DDL changes.
+#[derive(Debug, PartialEq, Eq)]
+struct Stamp {
+    table: String,
+    side: &'static str,
+    /// Its pg_class row's xmin and file, its columns' xmins.
+    catalog: Option<String>,
+}
+
+/// The [`Stamp`] of each compared table on both sides.
+async fn catalog_stamps(
+    flow: &Flow,
+    only_table: Option<&str>,
+    source: &Client,
+    target: &Client,
+) -> Result<Vec<Stamp>, VerifyError> {
+    let mut stamps = Vec::new();
+    for table in flow
+        .tables
+        .iter()
+        .filter(|t| only_table.is_none_or(|o| o == t.as_str()))
+    {
+        let qualified = quote_table(table).ok_or_else(|| VerifyError::BadTable(table.clone()))?;
+        for (side, client) in [("source", source), ("target", target)] {
+            let catalog = client
+                .query_one(
+                    "SELECT c.xmin::text || '/' || c.relfilenode::text || '/'
+                            || (SELECT string_agg(a.xmin::text, ',' ORDER BY a.attnum)
+                                FROM pg_attribute a WHERE a.attrelid = c.oid)
+                     FROM (SELECT to_regclass($1) AS oid) t LEFT JOIN pg_class c ON c.oid = t.oid",
+                    &[&qualified],
+                )
+                .await
+                .map_err(|e| match side {
+                    "source" => VerifyError::Source(e),
+                    _ => VerifyError::Target(e),
+                })?
+                .get(0);
+            stamps.push(Stamp {
+                table: table.clone(),
+                side,
+                catalog,
+            });
+        }
+    }
+    Ok(stamps)
 }
 
 /// Compares each table of the flow (or `only_table`), adding a divergence

@@ -4368,3 +4368,70 @@ fn a_verify_killed_inside_its_fence_releases_the_apply_on(major: Major) {
         stderr.lock().unwrap()
     );
 }
+
+/// A DDL that rewrites a flow table after the fence, before verify first
+/// reads it, would make the old snapshot see the table empty: verify sees
+/// the table's catalog move, fences again, and never says DIVERGED.
+#[test]
+fn a_ddl_between_the_fence_and_the_comparison_is_never_a_divergence() {
+    on_every_major(a_ddl_between_the_fence_and_the_comparison_is_never_a_divergence_on);
+}
+
+fn a_ddl_between_the_fence_and_the_comparison_is_never_a_divergence_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    // Compared first, long enough to land the DDL meanwhile.
+    p.source.psql(
+        "INSERT INTO public.orders SELECT g, 'c', 1 FROM generate_series(1, 500000) g;
+         INSERT INTO public.line_items SELECT g, 1, 1, 1, 'n' FROM generate_series(1, 50) g",
+    );
+    let (mut child, _, stderr) = spawn_follower(d);
+    let wait = waiter(major, &stderr);
+    wait("copied", 120, &|| {
+        p.target
+            .psql_value("SELECT count(*) FROM public.line_items")
+            == "50"
+    });
+    let verify = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args(["verify", "--config", "trellara.yml", "--fence-timeout", "5"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn verify");
+    // Verify's snapshot reads orders: line_items is not read (nor locked)
+    // yet.
+    let reading_orders = "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+         WHERE l.relation = 'public.orders'::regclass AND a.backend_xmin IS NOT NULL
+           AND a.pid <> pg_backend_pid()";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while p.source.psql_value(reading_orders) != "1" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{major}: verify never read orders"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // A volatile default rewrites the table.
+    p.source
+        .psql("ALTER TABLE public.line_items ADD COLUMN z float8 DEFAULT random()");
+    let out = verify.wait_with_output().expect("verify");
+    let (stdout, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.code() != Some(1) && !stdout.contains("DIVERGED"),
+        "{major}: no divergence for a DDL ({}):\n{stdout}\n{err}",
+        out.status
+    );
+    assert!(
+        err.contains(
+            "table public.line_items changed on the source (a DDL committed) while verify compared it at the fence"
+        ),
+        "{major}: names the table that moved:\n{stdout}\n{err}"
+    );
+    terminate(&mut child);
+}

@@ -1014,6 +1014,10 @@ fn could_not_verify(check: impl FnOnce() -> anyhow::Result<ExitCode>) -> anyhow:
     }
 }
 
+/// How many fences a verify takes when a DDL lands between one and its
+/// comparison each time.
+const SCHEMA_MOVED_TRIES: u32 = 3;
+
 /// What a verify compares: every flow, sink and table unless named.
 #[derive(Debug, Clone, Copy)]
 struct Only<'a> {
@@ -1051,8 +1055,11 @@ fn verify_flows(
                     let target = flow::connect(&target_url, "target").await?;
                     flow::refuse_same_database(&source, &target, config_path).await?;
                     crate::state::ensure(&target).await?;
-                    anyhow::Ok(
-                        verify::verify(
+                    // A DDL between a fence and the comparison: a new
+                    // fence, a few times, then the error.
+                    let mut tries = 1;
+                    loop {
+                        match verify::verify(
                             f,
                             (
                                 sink.name,
@@ -1067,8 +1074,17 @@ fn verify_flows(
                             config_path,
                             chunk_rows,
                         )
-                        .await?,
-                    )
+                        .await
+                        {
+                            Err(e @ verify::VerifyError::SchemaMoved { .. })
+                                if tries < SCHEMA_MOVED_TRIES =>
+                            {
+                                errln!("verify: {}; verifying again", crate::errors::chain_of(&e));
+                                tries += 1;
+                            }
+                            verdict => return anyhow::Ok(verdict?),
+                        }
+                    }
                 })
                 .with_context(|| match sink.position {
                     Some(_) => format!("verify flow {} sink {}", f.name, sink.name),
