@@ -147,7 +147,7 @@ fn chaos_run_prints_the_matrix() {
         text.contains("invariant:") && text.contains("recovery:"),
         "{text}"
     );
-    assert!(text.contains("54 scenarios, 0 failed"), "{text}");
+    assert!(text.contains("57 scenarios, 0 failed"), "{text}");
     assert!(
         text.contains("qualification: qualified: every invariant held"),
         "{text}"
@@ -156,7 +156,7 @@ fn chaos_run_prints_the_matrix() {
     let out = trellara(&["chaos", "run", "--seeds", "2", "--format", "json"]);
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(json["failed"], 0);
-    assert_eq!(json["scenarios"].as_array().map(Vec::len), Some(54));
+    assert_eq!(json["scenarios"].as_array().map(Vec::len), Some(57));
     assert_eq!(json["qualified"], true);
     assert_eq!(json["scenarios"][3]["passed"], true);
 

@@ -72,6 +72,22 @@ pub(crate) enum ApplyFault {
     /// in between; the target server crashes after the k-th commit and
     /// comes back without what it had not made durable.
     TargetServerCrash,
+    /// A verify fences the following applier (crate::fence) and dies, or
+    /// releases it, in one window.
+    Fence(FenceWindow),
+}
+
+/// Where a verify's fence ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FenceWindow {
+    /// Verify dies holding the fence lock, before it set a fence.
+    BeforeHold,
+    /// Verify dies with the applier held at L, taking the target's
+    /// snapshot: the fence stays in the checkpoint row.
+    DuringSnapshot,
+    /// Verify released the fence (it stays in the row), and a second
+    /// verify fences further on.
+    AfterRelease,
 }
 
 /// What one simulated history did.
@@ -278,6 +294,9 @@ fn durable_commit(log: &Log<SimStorage>) -> u64 {
 pub(crate) fn history(seed: u64, fault: ApplyFault) -> Result<ApplyHistory, String> {
     if fault == ApplyFault::TargetServerCrash {
         return server_crash_history(seed);
+    }
+    if let ApplyFault::Fence(window) = fault {
+        return fence_history(seed, window);
     }
     let mut rng = Rng(seed ^ 0x00A1_1CE5);
     let txns = workload(&mut rng, fault);
@@ -517,6 +536,126 @@ fn lazy(target: SimTarget) -> Applier<SimTarget> {
     Applier::with_target(target, "sim", "sim", "trellara.yml")
         .with_cursor_every(std::time::Duration::from_secs(3600))
         .with_open_after_commit()
+}
+
+/// TA-14..16. A following applier and a verify's fence, as `crate::fence`
+/// moves it: a first part of the log applied, the fence taken at H, the
+/// rest of the log written, the fence moved to L, then the window's end.
+/// Checked: every committed state is the source at its checkpoint; while a
+/// holder lives, no commit at or past its fence is applied; held at L, the
+/// target is exactly the source's transactions before L (what verify's
+/// snapshot compares); once the holder is gone, the rest applies.
+fn fence_history(seed: u64, window: FenceWindow) -> Result<ApplyHistory, String> {
+    let mut rng = Rng(seed ^ 0x00FE_4CE5);
+    let fault = ApplyFault::Fence(window);
+    let txns = workload(&mut rng, fault);
+    let records = log_records(&txns, fault);
+    let count = txns.len() as u64;
+    // Fences at a commit (it is held) or just past it (it is not), before
+    // the last commit: some transaction is always held.
+    let at = |rng: &mut Rng, from: u64| {
+        let i = from + rng.below(count - 1 - from);
+        Lsn(txns[i as usize].commit + rng.below(2))
+    };
+    let first = 1 + rng.below(count / 2);
+    let hold = at(&mut rng, first);
+    let fence = at(&mut rng, first).max(hold);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    let (log, _) = Log::open(SimStorage::new(seed), "/log", sim_log_config())
+        .map_err(|e| format!("seed {seed}: open the log: {e}"))?;
+    let split = txns[first as usize].commit;
+    let append = |before: bool| {
+        let part = records.iter().filter(|(c, _)| (*c < split) == before);
+        log.append_batch(part.map(|(lsn, bytes)| (*lsn, bytes.as_slice())))
+            .map(drop)
+            .map_err(|e| format!("seed {seed}: append: {e}"))
+    };
+    let mut db = Db::default();
+    db.tables.insert(TABLE.into(), Table::new());
+    let mut applier = Applier::with_target(SimTarget::new(db), "sim", "sim", "trellara.yml");
+    // One pass of the applier; no state of it past a live holder's fence.
+    let pass = |applier: &mut Applier<SimTarget>, when: &str| -> Result<bool, String> {
+        runtime
+            .block_on(applier.apply_log_with(&log, &crate::crash::NoCrash))
+            .map_err(|e| format!("seed {seed}: {when}: {e}"))?;
+        let target = applier.target_mut();
+        let held = target.fence.filter(|_| target.fence_holder);
+        for db in std::mem::take(&mut target.observed) {
+            check_state(seed, &txns, &db, None, when)?;
+            if let (Some(f), Some(c)) = (held, db.checkpoint)
+                && c.commit_lsn >= f
+            {
+                return Err(format!(
+                    "seed {seed}: {when}: the applier applied commit {} past the fence {f} of a live verify",
+                    c.commit_lsn
+                ));
+            }
+        }
+        Ok(applier.held())
+    };
+    // What verify's target snapshot sees with the applier held at `at`.
+    let snapshot = |applier: &mut Applier<SimTarget>, at: Lsn, when: &str| {
+        let below = txns
+            .iter()
+            .rev()
+            .find(|t| Lsn(t.commit) < at)
+            .map(|t| Lsn(t.commit));
+        let db = &applier.target_mut().committed;
+        let checkpoint = db.checkpoint.map(|c| c.commit_lsn);
+        if checkpoint != below {
+            return Err(format!(
+                "seed {seed}: {when}: held at the fence {at}, the target is at {checkpoint:?}, not at the last commit before it ({below:?}): verify would compare two positions"
+            ));
+        }
+        check_state(seed, &txns, db, None, when)
+    };
+    append(true)?;
+    pass(&mut applier, "before the fence")?;
+    applier.target_mut().fence_holder = true;
+    if window == FenceWindow::BeforeHold {
+        applier.target_mut().fence_holder = false;
+        append(false)?;
+    } else {
+        applier.target_mut().fence = Some(hold);
+        append(false)?;
+        pass(&mut applier, "held at H")?;
+        applier.target_mut().fence = Some(fence);
+        pass(&mut applier, "held at L")?;
+        snapshot(&mut applier, fence, "held at L")?;
+        // Dead or released: the fence stays in the row either way.
+        applier.target_mut().fence_holder = false;
+        if window == FenceWindow::AfterRelease {
+            let later = at(&mut rng, first).max(fence);
+            let target = applier.target_mut();
+            target.fence_holder = true;
+            target.fence = Some(later);
+            pass(&mut applier, "held by a second verify")?;
+            snapshot(&mut applier, later, "held by a second verify")?;
+            applier.target_mut().fence_holder = false;
+        }
+    }
+    if pass(&mut applier, "after the fence")? {
+        return Err(format!(
+            "seed {seed}: the applier stays held with no verify holding a fence"
+        ));
+    }
+    let db = &applier.target_mut().committed;
+    let last = txns.last().map(|t| Lsn(t.commit));
+    if db.checkpoint.map(|c| c.commit_lsn) != last {
+        return Err(format!(
+            "seed {seed}: after the fence the target is at {:?}, not at the source's last commit {last:?}: the applier stayed held",
+            db.checkpoint.map(|c| c.commit_lsn)
+        ));
+    }
+    check_state(seed, &txns, db, None, "after the fence")?;
+    Ok(ApplyHistory {
+        transactions: txns.len(),
+        faults: 1,
+        rounds: 1,
+        ..ApplyHistory::default()
+    })
 }
 
 /// TA-13. Transactions arrive one at a time and each is applied at once
@@ -800,6 +939,21 @@ mod tests {
         assert!(
             missed.is_empty(),
             "the broken ordering went unnoticed: seeds {missed:?}"
+        );
+    }
+
+    /// The mutation check: an applier that does not obey a verify's fence
+    /// applies past it while verify compares, and verify would read two
+    /// positions.
+    #[test]
+    fn applying_past_a_fence_is_caught() {
+        caught(
+            &mutation::FENCE_IGNORED,
+            ApplyFault::Fence(FenceWindow::DuringSnapshot),
+        );
+        caught(
+            &mutation::FENCE_IGNORED,
+            ApplyFault::Fence(FenceWindow::AfterRelease),
         );
     }
 

@@ -30,7 +30,7 @@ pub(crate) mod topic;
 use crate::crash::{CrashHooks, CrashPoint};
 use crate::log::LogConfig;
 use crate::log::storage::SimCrash;
-use apply::ApplyFault;
+use apply::{ApplyFault, FenceWindow};
 use capture::CaptureFault;
 use pipeline::PipelineFault;
 use relay::RelayFault;
@@ -260,6 +260,7 @@ const SNAPSHOT_RECOVERY: &str = "rerun `trellara run --config trellara.yml`: a r
 const PIPELINE: &str = "pipeline";
 const PIPELINE_PROOF: &str = "trellara chaos run --family pipeline";
 const PIPELINE_RECOVERY: &str = "restart `trellara run --follow` (or the services): the round resumes from the log and the checkpoint; then `trellara verify`";
+const FENCE_RECOVERY: &str = "nothing to do: the apply goes on by itself once no verify holds its fence; rerun `trellara verify` for a verdict";
 const QUARANTINE_RECOVERY: &str = "fix the cause the quarantine record names (`trellara status --view diagnostics`, `trellara repair plan`), rerun `trellara run`: the quarantined transaction is retried first; then `trellara verify`";
 
 macro_rules! relay_crash {
@@ -333,7 +334,7 @@ macro_rules! pipeline {
 }
 
 /// The matrix as built so far.
-pub const SCENARIOS: [Scenario; 54] = [
+pub const SCENARIOS: [Scenario; 57] = [
     relay_crash!(
         "SS-01",
         ReceivedNotAppended,
@@ -552,6 +553,27 @@ pub const SCENARIOS: [Scenario; 54] = [
         TARGET_RECOVERY,
         "the log holds a chunk run cut by a relay crash, then the transaction whole",
         "never split: a transaction applies whole or not at all"
+    ),
+    target!(
+        "TA-14",
+        ApplyFault::Fence(FenceWindow::BeforeHold),
+        FENCE_RECOVERY,
+        "verify dies holding its fence lock, before it set the fence",
+        "a fence without a live holder holds nothing: the applier goes on to the source's last commit"
+    ),
+    target!(
+        "TA-15",
+        ApplyFault::Fence(FenceWindow::DuringSnapshot),
+        FENCE_RECOVERY,
+        "verify dies with the applier held at its fence, taking the target's snapshot",
+        "while the holder lives nothing at or past the fence applies, and held the target is exactly the commits before it; the holder gone, the rest applies by itself"
+    ),
+    target!(
+        "TA-16",
+        ApplyFault::Fence(FenceWindow::AfterRelease),
+        FENCE_RECOVERY,
+        "verify releases its fence, left in the checkpoint row, and a second verify fences further on",
+        "a released fence holds nothing; the next fence holds at its own position, exactly"
     ),
     capture!(
         "CA-01",

@@ -84,6 +84,11 @@ pub(crate) struct SimTarget {
     /// succeed, for what watches beside a running applier (the pipeline
     /// family's operator).
     pub applied_to: std::rc::Rc<std::cell::Cell<Lsn>>,
+    /// The checkpoint row's `fence_lsn` (crate::state::fence).
+    pub fence: Option<Lsn>,
+    /// A verify's session holds the fence lock: only then does the fence
+    /// hold.
+    pub fence_holder: bool,
 }
 
 fn table_name(relation: &RelationSchema) -> String {
@@ -292,10 +297,15 @@ impl Target for SimTarget {
     type Lock = std::future::Ready<Result<Locked, Refusal>>;
 
     async fn send_lock_checkpoint(&mut self, _flow: &str) -> Result<Self::Lock, Refusal> {
+        let fence = self.fence.filter(|_| self.fence_holder);
         Ok(std::future::ready(Ok(Locked {
             checkpoint: self.open()?.checkpoint.map(|c| c.commit_lsn),
-            fence: None,
+            fence,
         })))
+    }
+
+    async fn fence(&mut self, _flow: &str) -> Result<Option<Lsn>, TargetError> {
+        Ok(self.fence.filter(|_| self.fence_holder))
     }
 
     async fn insert_rows(
