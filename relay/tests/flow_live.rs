@@ -3595,6 +3595,32 @@ fn two_sinks_naming_one_database_by_other_urls_apply_once() {
 /// reach one database: the config cannot tell, so the target's flow lock
 /// does. The second sink is refused by name, with the fix, on every run,
 /// and the first applies on.
+/// Flow `shop` from `source` into sinks `main` and `lake`, its local
+/// transport's settings followed by `transport_extra` (whole lines).
+fn two_sinks_config(source: &str, (main, lake): (&str, &str), transport_extra: &str) -> String {
+    format!(
+        "schema_version: 2
+flows:
+  - name: shop
+    source:
+      url: {source}
+    sinks:
+      - name: main
+        target:
+          url: {main}
+      - name: lake
+        target:
+          url: {lake}
+    tables: [public.orders, public.line_items]
+    transport:
+      kind: local
+      log_dir: ./log
+{transport_extra}service:
+  relay_listen: 127.0.0.1:0
+"
+    )
+}
+
 fn two_sinks_naming_one_database_on(major: Major) {
     let Some(p) = pair(major) else {
         return;
@@ -3602,29 +3628,13 @@ fn two_sinks_naming_one_database_on(major: Major) {
     let d = p.dir.path();
     std::fs::write(
         d.join("twice.yml"),
-        format!(
-            "schema_version: 2
-flows:
-  - name: shop
-    source:
-      url: {}
-    sinks:
-      - name: main
-        target:
-          url: {}
-      - name: lake
-        target:
-          url: {}
-    tables: [public.orders, public.line_items]
-    transport:
-      kind: local
-      log_dir: ./log
-service:
-  relay_listen: 127.0.0.1:0
-",
-            p.source.connection_string("postgres"),
-            p.target.connection_string("postgres"),
-            p.target.connection_config("postgres"),
+        two_sinks_config(
+            &p.source.connection_string("postgres"),
+            (
+                &p.target.connection_string("postgres"),
+                &p.target.connection_config("postgres"),
+            ),
+            "",
         ),
     )
     .expect("config");
@@ -3677,30 +3687,13 @@ fn two_sinks_share_one_slot_on(major: Major) {
     let d = dir.path();
     std::fs::write(
         d.join("trellara.yml"),
-        format!(
-            "schema_version: 2
-flows:
-  - name: shop
-    source:
-      url: {}
-    sinks:
-      - name: main
-        target:
-          url: {}
-      - name: lake
-        target:
-          url: {}
-    tables: [public.orders, public.line_items]
-    transport:
-      kind: local
-      log_dir: ./log
-      retention_mib: 4
-service:
-  relay_listen: 127.0.0.1:0
-",
-            source.connection_string("postgres"),
-            first.connection_string("postgres"),
-            lake.connection_string("postgres"),
+        two_sinks_config(
+            &source.connection_string("postgres"),
+            (
+                &first.connection_string("postgres"),
+                &lake.connection_string("postgres"),
+            ),
+            "      retention_mib: 4\n",
         ),
     )
     .expect("config");
