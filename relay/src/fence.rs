@@ -46,6 +46,8 @@ use trellara_external_relay::pgwire::{self, ConnectOptions, Connection};
 pub const HELD_POLL: Duration = Duration::from_millis(5);
 /// How often verify looks whether capture and the applier reached L.
 const STEP_POLL: Duration = Duration::from_millis(5);
+/// How long clearing a released fence waits for the checkpoint row.
+const FORGET_PATIENCE: Duration = Duration::from_secs(5);
 /// How long a fence may take unless verify is told otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -142,7 +144,7 @@ pub async fn take(
         Err(e) => {
             let _ = source.batch_execute("ROLLBACK").await;
             let _ = target.batch_execute("ROLLBACK").await;
-            let _ = crate::state::fence::clear(target, name).await;
+            let _ = crate::state::fence::clear(target, name, FORGET_PATIENCE).await;
             Err(e)
         }
     }
@@ -152,7 +154,7 @@ pub async fn take(
 /// the applier's lock stops looking for its holder. Best effort: a fence
 /// left there holds nothing.
 pub async fn forget(target: &Client, flow: &Flow) {
-    if let Err(e) = crate::state::fence::clear(target, &flow.name).await {
+    if let Err(e) = crate::state::fence::clear(target, &flow.name, FORGET_PATIENCE).await {
         tracing::warn!(flow = %flow.name, error = %crate::errors::Chain(&e), "the released fence was not cleared from trellara.checkpoints");
     }
 }
@@ -214,13 +216,16 @@ impl Steps<'_> {
     /// Moves the fence; the update waits for the applier's open
     /// transaction, under the deadline.
     async fn set(&self, target: &Client, at: Lsn) -> Result<(), FenceError> {
-        let set = crate::state::fence::set(target, &self.flow.name, at);
-        match tokio::time::timeout_at(self.deadline, set).await {
-            Ok(Ok(true)) => Ok(()),
-            Ok(Ok(false)) => Err(FenceError::NoCheckpoint {
+        let patience = self.deadline.saturating_duration_since(Instant::now());
+        match crate::state::fence::set(target, &self.flow.name, at, patience).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(FenceError::NoCheckpoint {
                 flow: self.flow.name.clone(),
             }),
-            Ok(Err(e)) => Err(FenceError::Target(e)),
+            Err(e) if e.code() != Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+                Err(FenceError::Target(e))
+            }
+            // Its lock timeout: the fence's deadline.
             Err(_) => Err(self.timed_out(
                 "the flow's checkpoint row stayed locked on the target".into(),
                 "a long target transaction holds trellara.checkpoints: see pg_stat_activity on the target",

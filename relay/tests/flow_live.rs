@@ -4428,3 +4428,58 @@ fn a_ddl_between_the_fence_and_the_comparison_is_never_a_divergence_on(major: Ma
     );
     terminate(&mut child);
 }
+
+/// A target session that holds the checkpoint row keeps the fence from
+/// moving: verify gives up at its deadline (the server-side lock timeout,
+/// not a client-side one that would leave the statement waiting there).
+#[test]
+fn a_locked_checkpoint_row_makes_the_fence_give_up_at_its_deadline() {
+    on_every_major(|major| {
+        let Some(p) = pair(major) else {
+            return;
+        };
+        let d = p.dir.path();
+        workload(&p.source, 1, 3);
+        let (mut child, _, stderr) = spawn_follower(d);
+        let wait = waiter(major, &stderr);
+        wait("applied", 60, &|| {
+            p.target.psql_value("SELECT count(*) FROM public.orders") == "3"
+        });
+        // The copy's rows commit before the handoff writes the checkpoint.
+        wait("handed off", 60, &|| {
+            p.target
+                .psql_value("SELECT count(*) FROM trellara.checkpoints WHERE flow = 'shop'")
+                == "1"
+        });
+        let mut holder = p.target.connect();
+        let mut tx = holder.transaction().expect("begin");
+        let locked = tx
+            .execute(
+                "SELECT 1 FROM trellara.checkpoints WHERE flow = 'shop' FOR UPDATE",
+                &[],
+            )
+            .expect("lock the row");
+        assert_eq!(locked, 1, "{major}: the row is held");
+        let started = std::time::Instant::now();
+        let (code, v, err) = verdict(d, &["--fence-timeout", "2"]);
+        let took = started.elapsed();
+        assert!(
+            code == Some(2)
+                && err.contains("the fence was given up after 2 s")
+                && err.contains("checkpoint row stayed locked"),
+            "{major}: {code:?}\n{v:#}\n{err}"
+        );
+        assert!(
+            took < std::time::Duration::from_secs(15),
+            "{major}: {took:?}"
+        );
+        tx.rollback().expect("rollback");
+        let (code, v, err) = verdict(d, &[]);
+        assert_eq!(
+            (code, v["result"].as_str()),
+            (Some(0), Some("CONVERGED")),
+            "{major}:\n{v:#}\n{err}"
+        );
+        terminate(&mut child);
+    });
+}

@@ -62,30 +62,69 @@ pub async fn release(client: &Client, flow: &str) -> Result<(), tokio_postgres::
 
 /// Forgets a fence nobody holds any longer, so the applier's lock no
 /// longer asks pg_locks about it; a fence another verify holds stays.
-pub async fn clear(client: &Client, flow: &str) -> Result<(), tokio_postgres::Error> {
+/// Gives up (an error) past `patience` waiting for the row.
+pub async fn clear(
+    client: &Client,
+    flow: &str,
+    patience: std::time::Duration,
+) -> Result<(), tokio_postgres::Error> {
+    within(
+        client,
+        patience,
+        concat!(
+            "UPDATE trellara.checkpoints SET fence_lsn = NULL WHERE flow = $1 AND fence_lsn IS NOT NULL AND (",
+            fence_text!(),
+            ") IS NULL"
+        ),
+        &[&flow],
+    )
+    .await
+    .map(drop)
+}
+
+/// `sql` in a transaction of its own that waits at most `patience` for a
+/// lock (`lock_timeout`, SQLSTATE 55P03 past it): a statement abandoned by
+/// a client-side timeout would go on waiting on the server, and every
+/// later statement of the session behind it.
+async fn within(
+    client: &Client,
+    patience: std::time::Duration,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<u64, tokio_postgres::Error> {
+    let ms = patience.as_millis().clamp(1, i32::MAX as u128);
     client
-        .execute(
-            concat!(
-                "UPDATE trellara.checkpoints SET fence_lsn = NULL WHERE flow = $1 AND fence_lsn IS NOT NULL AND (",
-                fence_text!(),
-                ") IS NULL"
-            ),
-            &[&flow],
-        )
-        .await
-        .map(drop)
+        .batch_execute(&format!("BEGIN; SET LOCAL lock_timeout = {ms}"))
+        .await?;
+    match client.execute(sql, params).await {
+        Ok(n) => {
+            client.batch_execute("COMMIT").await?;
+            Ok(n)
+        }
+        Err(e) => {
+            let _ = client.batch_execute("ROLLBACK").await;
+            Err(e)
+        }
+    }
 }
 
 /// Moves the fence to `at`; false when the flow has no checkpoint row (no
 /// boundary handed off yet). Waits for the applier's open transaction,
-/// which holds the row: once this returns, its next one sees `at`.
-pub async fn set(client: &Client, flow: &str, at: Lsn) -> Result<bool, tokio_postgres::Error> {
-    Ok(client
-        .execute(
-            "UPDATE trellara.checkpoints SET fence_lsn = $2::text::pg_lsn WHERE flow = $1",
-            &[&flow, &at.to_string()],
-        )
-        .await?
+/// which holds the row, at most `patience` (then SQLSTATE 55P03): once
+/// this returns, its next one sees `at`.
+pub async fn set(
+    client: &Client,
+    flow: &str,
+    at: Lsn,
+    patience: std::time::Duration,
+) -> Result<bool, tokio_postgres::Error> {
+    Ok(within(
+        client,
+        patience,
+        "UPDATE trellara.checkpoints SET fence_lsn = $2::text::pg_lsn WHERE flow = $1",
+        &[&flow, &at.to_string()],
+    )
+    .await?
         == 1)
 }
 
