@@ -108,16 +108,43 @@ pub struct Fence {
 /// read for the last transaction before L.
 pub async fn take(
     flow: &Flow,
+    log: (&Path, &str),
+    sides: (&str, &Client, &Client),
+    timeout: Duration,
+) -> Result<Fence, FenceError> {
+    let target = sides.2;
+    let (at, applied, held) = hold_apply(flow, log, sides, timeout, async |at| {
+        target
+            .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .await
+            .map_err(FenceError::Target)?;
+        // The snapshot is taken here: this is what the comparison sees.
+        not_passed(target, &flow.name, at).await
+    })
+    .await?;
+    Ok(Fence { at, applied, held })
+}
+
+/// Holds the flow's applier at L (the one position both sides are then
+/// at: the source's snapshot, imported in `source` inside a `REPEATABLE
+/// READ READ ONLY` transaction, and the target's applied commits) and runs
+/// `at_hold(L)` while it holds; then releases it. The deadline covers
+/// reaching the hold, not `at_hold`. Returns L, what `at_hold` returned
+/// and how long the applier was held. On `Err`, neither session is left in
+/// a transaction.
+pub async fn hold_apply<T, E: From<FenceError>>(
+    flow: &Flow,
     (log_dir, cursor): (&Path, &str),
     (source_url, source, target): (&str, &Client, &Client),
     timeout: Duration,
-) -> Result<Fence, FenceError> {
+    at_hold: impl AsyncFnOnce(Lsn) -> Result<T, E>,
+) -> Result<(Lsn, T, Duration), E> {
     let name = &flow.name;
     if !crate::state::fence::hold(target, name)
         .await
         .map_err(FenceError::Target)?
     {
-        return Err(FenceError::Busy { flow: name.clone() });
+        return Err(FenceError::Busy { flow: name.clone() }.into());
     }
     let started = Instant::now();
     let steps = Steps {
@@ -125,21 +152,21 @@ pub async fn take(
         deadline: started + timeout,
         timeout,
     };
-    let taken = steps
+    let taken = match steps
         .run((log_dir, cursor), (source_url, source, target))
-        .await;
+        .await
+    {
+        Ok(at) => at_hold(at).await.map(|done| (at, done)),
+        Err(e) => Err(e.into()),
+    };
     // Whatever happened, the applier goes on; a session gone releases it
     // on its own.
     let released = crate::state::fence::release(target, name).await;
     let held = started.elapsed();
     match taken {
-        Ok(applied) => {
+        Ok((at, done)) => {
             released.map_err(FenceError::Target)?;
-            Ok(Fence {
-                at: applied.0,
-                applied: applied.1,
-                held,
-            })
+            Ok((at, done, held))
         }
         Err(e) => {
             let _ = source.batch_execute("ROLLBACK").await;
@@ -148,6 +175,35 @@ pub async fn take(
             Err(e)
         }
     }
+}
+
+/// The target's checkpoint, checked to be before the fence `at`: an
+/// applier that passed it did not hold, and nothing read at it is at L.
+pub async fn not_passed(target: &Client, flow: &str, at: Lsn) -> Result<Option<Lsn>, FenceError> {
+    let applied = crate::state::checkpoint::applied(target, flow)
+        .await
+        .map_err(FenceError::Target)?;
+    match applied.filter(|a| *a >= at) {
+        Some(applied) => Err(FenceError::Passed {
+            flow: flow.to_owned(),
+            applied,
+            at,
+        }),
+        None => Ok(applied),
+    }
+}
+
+/// The log of `flow` when a running process holds it and the fence can
+/// reach its applier through it (the local transport: an applier reading
+/// a Kafka topic has no position record to be held at).
+pub fn followed_log(flow: &Flow) -> std::io::Result<Option<&Path>> {
+    let Some(dir) = flow.log_dir().filter(|d| d.exists()) else {
+        return Ok(None);
+    };
+    if matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
+        return Ok(None);
+    }
+    Ok(crate::lock::try_lock(dir)?.is_none().then_some(dir))
 }
 
 /// Clears the released fence's row once the caller's snapshot ended, so
@@ -167,13 +223,12 @@ struct Steps<'a> {
 }
 
 impl Steps<'_> {
-    /// L and the checkpoint the target's snapshot holds.
+    /// L, once the applier applied every commit before it and holds.
     async fn run(
         &self,
         (log_dir, cursor): (&Path, &str),
         (source_url, source, target): (&str, &Client, &Client),
-    ) -> Result<(Lsn, Option<Lsn>), FenceError> {
-        let name = &self.flow.name;
+    ) -> Result<Lsn, FenceError> {
         let hold_at: Lsn = source
             .query_one("SELECT pg_current_wal_lsn()::text", &[])
             .await
@@ -186,22 +241,7 @@ impl Steps<'_> {
         self.set(target, at).await?;
         let expected = self.last_below(log_dir, cursor, source, at).await?;
         self.applied_through(target, expected, at).await?;
-        target
-            .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            .await
-            .map_err(FenceError::Target)?;
-        // The snapshot is taken here: this is what the comparison sees.
-        let applied = crate::state::checkpoint::applied(target, name)
-            .await
-            .map_err(FenceError::Target)?;
-        if let Some(applied) = applied.filter(|a| *a >= at) {
-            return Err(FenceError::Passed {
-                flow: name.clone(),
-                applied,
-                at,
-            });
-        }
-        Ok((at, applied))
+        Ok(at)
     }
 
     fn timed_out(&self, waiting: String, hint: &str) -> FenceError {

@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod native;
 pub mod plan;
 pub mod preflight;
+pub mod reseed;
 pub mod role;
 pub mod semantics;
 pub mod sequences;

@@ -1299,6 +1299,28 @@ async fn fingerprint_at_snapshot(source: &Client, qualified: &str) -> Result<u64
 async fn copy_table(
     table: &str,
     snapshot: &str,
+    sides: (&Client, &Client),
+    flow: &str,
+    boundary: Option<Lsn>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<u64, SnapshotError> {
+    sides
+        .0
+        .batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{snapshot}'; SET LOCAL statement_timeout = 0"
+        ))
+        .await
+        .map_err(SnapshotError::Source)?;
+    let result = copy_in_snapshot(table, sides, flow, boundary, progress).await;
+    let _ = sides.0.batch_execute("COMMIT").await;
+    result
+}
+
+/// Copies one table from the snapshot `source`'s transaction is at into
+/// `target`'s open transaction, and records the copy there (with
+/// `boundary` when the table has one of its own).
+pub(crate) async fn copy_in_snapshot(
+    table: &str,
     (source, target): (&Client, &Client),
     flow: &str,
     boundary: Option<Lsn>,
@@ -1333,14 +1355,9 @@ async fn copy_table(
     let rows_of = rows_of(source, &qualified)
         .await
         .map_err(SnapshotError::Source)?;
-    source
-        .batch_execute(&format!(
-            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{snapshot}'; SET LOCAL statement_timeout = 0"
-        ))
-        .await
-        .map_err(SnapshotError::Source)?;
-    // Inside the target transaction prepare_copy opened, after its TRUNCATE.
-    let result = async {
+    // Inside the target transaction the caller opened, after it emptied
+    // the table.
+    {
         let out = source
             .copy_out(&format!("COPY (SELECT {list} FROM {rows_of}) TO STDOUT"))
             .await
@@ -1384,11 +1401,8 @@ async fn copy_table(
         crate::state::runs::record_table(target, flow, table, rows, pinned, boundary)
             .await
             .map_err(SnapshotError::Target)?;
-        Ok::<u64, SnapshotError>(rows)
+        Ok(rows)
     }
-    .await;
-    let _ = source.batch_execute("COMMIT").await;
-    result
 }
 
 #[cfg(test)]

@@ -534,19 +534,15 @@ impl Commands {
 }
 
 /// The log of `flow` when a running process holds it and the fence can
-/// reach its applier through it (the local transport).
+/// reach its applier through it.
 fn followed_log(flow: &Flow) -> Result<Option<&Path>, VerifyError> {
-    let Some(dir) = flow.log_dir().filter(|d| d.exists()) else {
-        return Ok(None);
-    };
-    if matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
-        return Ok(None);
-    }
-    let free = crate::lock::try_lock(dir).map_err(|source| VerifyError::LogLock {
-        path: dir.display().to_string(),
+    crate::fence::followed_log(flow).map_err(|source| VerifyError::LogLock {
+        path: flow
+            .log_dir()
+            .map(|d| d.display().to_string())
+            .unwrap_or_default(),
         source,
-    })?;
-    Ok(free.is_none().then_some(dir))
+    })
 }
 
 /// Runs every check for `flow` and records the verdict in the target. A
@@ -724,6 +720,24 @@ struct Stamp {
     catalog: Option<String>,
 }
 
+/// What a DDL of `qualified` changes, as `client`'s snapshot sees it: its
+/// pg_class row's xmin and file and its columns' xmins (None: no table).
+pub(crate) async fn catalog_stamp(
+    client: &Client,
+    qualified: &str,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    Ok(client
+        .query_one(
+            "SELECT c.xmin::text || '/' || c.relfilenode::text || '/'
+                    || (SELECT string_agg(a.xmin::text, ',' ORDER BY a.attnum)
+                        FROM pg_attribute a WHERE a.attrelid = c.oid)
+             FROM (SELECT to_regclass($1) AS oid) t LEFT JOIN pg_class c ON c.oid = t.oid",
+            &[&qualified],
+        )
+        .await?
+        .get(0))
+}
+
 /// The [`Stamp`] of each compared table on both sides.
 async fn catalog_stamps(
     flow: &Flow,
@@ -739,20 +753,12 @@ async fn catalog_stamps(
     {
         let qualified = quote_table(table).ok_or_else(|| VerifyError::BadTable(table.clone()))?;
         for (side, client) in [("source", source), ("target", target)] {
-            let catalog = client
-                .query_one(
-                    "SELECT c.xmin::text || '/' || c.relfilenode::text || '/'
-                            || (SELECT string_agg(a.xmin::text, ',' ORDER BY a.attnum)
-                                FROM pg_attribute a WHERE a.attrelid = c.oid)
-                     FROM (SELECT to_regclass($1) AS oid) t LEFT JOIN pg_class c ON c.oid = t.oid",
-                    &[&qualified],
-                )
+            let catalog = catalog_stamp(client, &qualified)
                 .await
                 .map_err(|e| match side {
                     "source" => VerifyError::Source(e),
                     _ => VerifyError::Target(e),
-                })?
-                .get(0);
+                })?;
             stamps.push(Stamp {
                 table: table.clone(),
                 side,
@@ -1068,6 +1074,7 @@ async fn settle(
             "WATERMARK_BEHIND" | "WATERMARK_UNVERIFIED" | "QUARANTINED"
         )
     });
+    settle_tables(flow, target, verdict, data_differs && !explained).await?;
     let state = seen.map(|s| s.state);
     let next = match (state, verdict.converged()) {
         _ if verdict.only_table.is_some() => None,
@@ -1098,6 +1105,43 @@ async fn settle(
         // A reseed re-planned the run while verify compared: this verdict
         // is about the run before it and moves nothing.
         tracing::warn!(flow = %flow.name, "the snapshot run changed while verify ran; its state was left as is");
+    }
+    Ok(())
+}
+
+/// The same for the tables with a snapshot state of their own (copied at
+/// a boundary of their own): those compared are promoted by a CONVERGED
+/// verdict, and one whose rows differ, unexplained, is failed_recoverable.
+async fn settle_tables(
+    flow: &Flow,
+    target: &Client,
+    verdict: &Verdict,
+    unexplained: bool,
+) -> Result<(), VerifyError> {
+    let compared: Vec<String> = verdict.tables.iter().map(|t| t.table.clone()).collect();
+    let differ: Vec<String> = verdict
+        .tables
+        .iter()
+        .filter(|t| t.source_rows != t.target_rows || t.source_checksum != t.target_checksum)
+        .map(|t| t.table.clone())
+        .collect();
+    let moves = if verdict.converged() {
+        vec![(
+            &compared,
+            SnapshotState::StreamHandoffReady,
+            SnapshotState::Verified,
+        )]
+    } else if unexplained && !differ.is_empty() {
+        [SnapshotState::StreamHandoffReady, SnapshotState::Verified]
+            .map(|from| (&differ, from, SnapshotState::FailedRecoverable))
+            .to_vec()
+    } else {
+        Vec::new()
+    };
+    for (tables, from, to) in moves {
+        crate::state::runs::move_tables(target, &flow.name, Some(tables), (from, to))
+            .await
+            .map_err(VerifyError::Target)?;
     }
     Ok(())
 }

@@ -4483,3 +4483,289 @@ fn a_locked_checkpoint_row_makes_the_fence_give_up_at_its_deadline() {
         terminate(&mut child);
     });
 }
+
+/// A reader of the target while [`live_load`] runs: each of its
+/// transactions adds one line item and one order marked 'live' and adds 1
+/// to order 1's total, so every snapshot must show as many of each as
+/// order 1 grew from `base`. Read in one statement, and in a REPEATABLE
+/// READ transaction that reads the tables apart (the view an older
+/// snapshot keeps across a copy's commit). Returns the reads and what
+/// each torn one saw.
+fn torn_reader(
+    target: &Cluster,
+    base: f64,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<(u64, Vec<String>)> {
+    let url = target.connection_string("postgres");
+    std::thread::spawn(move || {
+        let mut c = postgres::Client::connect(&url, postgres::NoTls).expect("reader");
+        let (mut reads, mut torn) = (0u64, Vec::new());
+        // NaN when order 1 is not there at all.
+        let grown = |c: &mut postgres::Transaction<'_>| -> f64 {
+            c.query_opt(
+                "SELECT (total - $1::float8::numeric)::float8 FROM public.orders WHERE id = 1",
+                &[&base],
+            )
+            .expect("order 1")
+            .map_or(f64::NAN, |r| r.get(0))
+        };
+        while !stop.load(Ordering::Relaxed) {
+            let mut one = c.transaction().expect("begin");
+            let row = one
+                .query_one(
+                    "SELECT (SELECT count(*) FROM public.line_items WHERE note = 'live'),
+                            (SELECT count(*) FROM public.orders WHERE customer = 'live'),
+                            coalesce((SELECT (total - $1::float8::numeric)::float8 FROM public.orders WHERE id = 1), 'NaN')",
+                    &[&base],
+                )
+                .expect("read");
+            let (lines, orders, grew): (i64, i64, f64) = (row.get(0), row.get(1), row.get(2));
+            if lines != orders || orders as f64 != grew {
+                torn.push(format!(
+                    "one statement: {lines} lines, {orders} orders, order 1 grew {grew}"
+                ));
+            }
+            one.commit().expect("commit");
+            let mut apart = c
+                .build_transaction()
+                .isolation_level(postgres::IsolationLevel::RepeatableRead)
+                .start()
+                .expect("begin");
+            let lines: i64 = apart
+                .query_one(
+                    "SELECT count(*) FROM public.line_items WHERE note = 'live'",
+                    &[],
+                )
+                .expect("lines")
+                .get(0);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let orders: i64 = apart
+                .query_one(
+                    "SELECT count(*) FROM public.orders WHERE customer = 'live'",
+                    &[],
+                )
+                .expect("orders")
+                .get(0);
+            let grew = grown(&mut apart);
+            if lines != orders || orders as f64 != grew {
+                torn.push(format!(
+                    "apart: {lines} lines, {orders} orders, order 1 grew {grew}"
+                ));
+            }
+            apart.commit().expect("commit");
+            reads += 2;
+        }
+        (reads, torn)
+    })
+}
+
+/// The `tables` entry of `table` in `status --format json` of the flow.
+fn status_table(d: &Path, table: &str) -> serde_json::Value {
+    let out = ok(
+        &trellara(
+            d,
+            &["status", "--config", "trellara.yml", "--format", "json"],
+        ),
+        "status",
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).expect("status json");
+    v[0]["tables"]
+        .as_array()
+        .and_then(|t| t.iter().find(|t| t["table"] == table).cloned())
+        .unwrap_or_else(|| panic!("status lists {table}:\n{v:#}"))
+}
+
+/// `reseed --table` copies one table again while its flow follows under
+/// load: the row changed and the row deleted behind the flow's back are
+/// mended, the other table is untouched, a reader never sees a source
+/// transaction half applied (the apply holds at the table's boundary while
+/// it is copied), status shows the table's own state and verify promotes
+/// it. Refused with nothing done: a table another table's foreign key
+/// references, and a flow that is not following.
+#[test]
+fn a_table_is_reseeded_under_load_and_no_reader_sees_half_a_transaction() {
+    on_every_major(a_table_is_reseeded_under_load_and_no_reader_sees_half_a_transaction_on);
+}
+
+fn a_table_is_reseeded_under_load_and_no_reader_sees_half_a_transaction_on(major: Major) {
+    let Some(p) = pair(major) else {
+        return;
+    };
+    let d = p.dir.path();
+    workload(&p.source, 1, 5);
+    // Enough rows that the copy takes a while under the hold.
+    p.source.psql(
+        "INSERT INTO public.orders SELECT g, 'bulk', 1.00 FROM generate_series(100000, 299999) g",
+    );
+    let (mut child, _, stderr) = spawn_follower(d);
+    let wait = waiter(major, &stderr);
+    wait("applied the bulk orders", 120, &|| {
+        p.target.psql_value("SELECT count(*) FROM public.orders") == "200005"
+    });
+    let reseed = |extra: &[&str]| {
+        let mut args = vec![
+            "reseed",
+            "--config",
+            "trellara.yml",
+            "--table",
+            "public.orders",
+            "--format",
+            "json",
+        ];
+        args.extend(extra);
+        trellara(d, &args)
+    };
+    // Another table's foreign key: refused before the apply is held.
+    p.target
+        .psql("CREATE TABLE public.audit (order_id bigint REFERENCES public.orders)");
+    let refused = reseed(&[]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{major}: {err}");
+    assert!(
+        err.contains("referenced on the target by public.audit (foreign key audit_order_id_fkey)")
+            && err.contains("ALTER TABLE public.audit DROP CONSTRAINT audit_order_id_fkey"),
+        "{major}: {err}"
+    );
+    p.target.psql("DROP TABLE public.audit");
+    // Behind the flow's back: what the copy mends.
+    p.target.psql(
+        "UPDATE public.orders SET customer = 'behind its back' WHERE id = 3; DELETE FROM public.orders WHERE id = 4",
+    );
+    let lines_before = p
+        .target
+        .psql_value("SELECT count(*) FROM public.line_items");
+    let base: f64 = p
+        .target
+        .psql_value("SELECT total FROM public.orders WHERE id = 1")
+        .parse()
+        .expect("a total");
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = live_load(&p.source, 1000, Arc::clone(&stop));
+    let reader = torn_reader(&p.target, base, Arc::clone(&stop));
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    // Killed inside its copy: the table as it was, no slot left, and the
+    // apply resumes by itself.
+    let mut killed = Command::new(env!("CARGO_BIN_EXE_trellara"))
+        .current_dir(d)
+        .args([
+            "reseed",
+            "--config",
+            "trellara.yml",
+            "--table",
+            "public.orders",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn reseed");
+    // Read on until the kill: a closed pipe would end it before.
+    let mut lines = {
+        use std::io::BufRead;
+        std::io::BufReader::new(killed.stdout.take().expect("stdout")).lines()
+    };
+    let copying = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .any(|l| l.contains("copying the table at it"));
+    assert!(copying, "{major}: the reseed reached its copy");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    killed.kill().expect("kill -9");
+    killed.wait().expect("reap");
+    drop(lines);
+    let applied = |sql: &str| p.target.psql_value(sql);
+    let live_now: i64 = applied("SELECT count(*) FROM public.orders WHERE customer = 'live'")
+        .parse()
+        .expect("a count");
+    wait("applied past the killed reseed's hold", 30, &|| {
+        applied("SELECT count(*) FROM public.orders WHERE customer = 'live'")
+            .parse::<i64>()
+            .is_ok_and(|n| n > live_now + 5)
+    });
+    wait("no fence slot left", 30, &|| {
+        p.source.psql_value(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE 'trellara_fence_%'",
+        ) == "0"
+    });
+    assert_eq!(
+        applied("SELECT customer FROM public.orders WHERE id = 3"),
+        "behind its back",
+        "{major}: the killed copy was rolled back"
+    );
+    let out = reseed(&[]);
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+    assert!(
+        out.status.success(),
+        "{major}: reseed --table ({}):\n{report:#}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reseeded = &report[0];
+    let rows = reseeded["rows"].as_u64().expect("rows");
+    assert!(rows >= 200_005, "{major}: every order copied:\n{report:#}");
+    let boundary = reseeded["boundary_lsn"].as_str().expect("boundary");
+    eprintln!(
+        "{major}: reseed of {rows} rows held the apply {} ms (the copy {} ms)",
+        reseeded["apply_held_ms"], reseeded["copy_ms"]
+    );
+    let own = status_table(d, "public.orders");
+    assert_eq!(
+        (own["state"].as_str(), own["boundary_lsn"].as_str()),
+        (Some("stream_handoff_ready"), Some(boundary)),
+        "{major}: status shows the table's own state:\n{own:#}"
+    );
+    assert!(
+        status_table(d, "public.line_items")["state"].is_null(),
+        "{major}: the other table keeps the run's"
+    );
+    // The flow goes on after the hold: the load's later rows arrive.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let committed = load.join().expect("load");
+    let (reads, torn) = reader.join().expect("reader");
+    assert!(
+        torn.is_empty(),
+        "{major}: a reader saw a source transaction half applied: {torn:?}"
+    );
+    assert!(reads > 10, "{major}: the reader read ({reads})");
+    wait("applied the whole load", 60, &|| {
+        p.target
+            .psql_value("SELECT count(*) FROM public.orders WHERE customer = 'live'")
+            == committed.to_string()
+    });
+    assert_eq!(
+        p.target.psql_value(
+            "SELECT customer || ' ' || (SELECT count(*) FROM public.orders WHERE id = 4) FROM public.orders WHERE id = 3"
+        ),
+        "c3 1",
+        "{major}: the changed and the deleted order are mended"
+    );
+    assert_eq!(
+        p.target
+            .psql_value("SELECT count(*) FROM public.line_items WHERE note <> 'live'"),
+        lines_before,
+        "{major}: the other table's rows are untouched"
+    );
+    let (code, v, err) = verdict(d, &["--table", "public.orders"]);
+    assert_eq!(
+        (code, v["result"].as_str()),
+        (Some(0), Some("CONVERGED")),
+        "{major}:\n{v:#}\n{err}"
+    );
+    assert_eq!(
+        status_table(d, "public.orders")["state"],
+        "verified",
+        "{major}: verify promoted the table"
+    );
+    let status = terminate(&mut child);
+    assert!(
+        status.success(),
+        "{major}: {status}\n{}",
+        stderr.lock().unwrap()
+    );
+    // Nothing follows: nothing to hold, refused.
+    let refused = reseed(&[]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{major}: {err}");
+    assert!(err.contains("flow shop is not following"), "{major}: {err}");
+}

@@ -974,15 +974,7 @@ pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
     could_not_verify(|| {
         let config = config::load(&args.config)?;
         // The config's tables are in display form; so is the one asked for.
-        let table = args
-            .table
-            .as_deref()
-            .map(|t| {
-                TableName::parse(t)
-                    .map(|n| n.to_string())
-                    .map_err(|e| anyhow::anyhow!("--table {t:?} {e}\nhint: write schema.table as SQL does: public.sales, or public.\"Sales\" for a mixed-case name"))
-            })
-            .transpose()?;
+        let table = args.table.as_deref().map(table_arg).transpose()?;
         let rt = runtime()?;
         verify_flows(
             &config,
@@ -1000,6 +992,20 @@ pub fn verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
             &rt,
         )
     })
+}
+
+/// `--table` naming a table that no selected flow replicates.
+fn no_flow_replicates(config: &Config, only_flow: Option<&str>, table: &str) -> anyhow::Error {
+    let tables: Vec<&str> = config
+        .flows
+        .iter()
+        .filter(|f| only_flow.is_none_or(|o| f.name == o))
+        .flat_map(|f| f.tables.iter().map(String::as_str))
+        .collect();
+    anyhow::anyhow!(
+        "no flow replicates table {table:?}\nhint: --table takes schema.table as SQL spells it (unquoted names fold to lower case); the config lists {}",
+        tables.join(", ")
+    )
 }
 
 /// A verify that fails exits 2 (could not verify), never 1: a failed check
@@ -1094,17 +1100,7 @@ fn verify_flows(
         }
     }
     if verdicts.is_empty() {
-        let tables: Vec<&str> = config
-            .flows
-            .iter()
-            .filter(|f| only_flow.is_none_or(|o| f.name == o))
-            .flat_map(|f| f.tables.iter().map(String::as_str))
-            .collect();
-        anyhow::bail!(
-            "no flow replicates table {:?}\nhint: --table takes schema.table as SQL spells it (unquoted names fold to lower case); the config lists {}",
-            table.unwrap_or(""),
-            tables.join(", ")
-        );
+        return Err(no_flow_replicates(config, only_flow, table.unwrap_or("")));
     }
     match format {
         Format::Json => outln!("{}", serde_json::to_string_pretty(&verdicts)?),
@@ -1177,8 +1173,11 @@ async fn flow_status(
     let snapshot = crate::state::runs::row(&target, &f.name).await?;
     let quarantine = crate::state::quarantine::open(&target, &f.name).await?;
     let last_verify = crate::state::verdicts::last(&target, &f.name).await?;
+    let tables = crate::state::runs::tables(&target, &f.name).await?;
     let mut v = json!({
         "flow": f.name,
+        // state and boundary_lsn null: the table's are the run's.
+        "tables": tables.iter().map(|t| json!({"table": t.name, "rows_copied": t.rows_copied, "copied_at": t.copied_at, "boundary_lsn": t.boundary.map(|b| b.to_string()), "state": t.state.map(|s| s.as_str())})).collect::<Vec<_>>(),
         "checkpoint": checkpoint.map(|c| json!({"commit_lsn": c.commit_lsn.to_string(), "end_lsn": c.end_lsn.to_string(), "transactions": c.transactions, "duplicates_skipped": c.duplicates_skipped, "updated_at": c.updated_at})),
         "snapshot": snapshot.map(|s| json!({"state": s.run.state.as_str(), "consistent_lsn": s.run.consistent_lsn.map(|l| l.to_string()), "run_id": s.run.run_id, "reason": s.reason})),
         "quarantined": quarantine.iter().map(|q| json!({"commit_lsn": q.commit_lsn, "xid": q.xid, "reason": q.reason, "recovery": q.recovery, "attempts": q.attempts})).collect::<Vec<_>>(),
@@ -1344,6 +1343,18 @@ fn print_status(config_path: &str, v: &serde_json::Value) {
         "  snapshot    {}",
         v["snapshot"]["state"].as_str().unwrap_or("none")
     );
+    // Only a table at a boundary of its own has a state apart from the run's.
+    for t in v["tables"].as_array().into_iter().flatten() {
+        if let Some(state) = t["state"].as_str() {
+            outln!(
+                "  table       {} {state}, copied at its own boundary {} ({} rows, {})",
+                t["table"].as_str().unwrap_or(""),
+                t["boundary_lsn"].as_str().unwrap_or("-"),
+                t["rows_copied"],
+                t["copied_at"].as_str().unwrap_or("")
+            );
+        }
+    }
     if v["checkpoint"].is_null() {
         outln!("  applied     nothing yet (no checkpoint: the first run has not handed off)");
     } else {
@@ -1485,6 +1496,15 @@ pub struct ReseedArgs {
     /// of its own, the flow's slot and the other sinks untouched.
     #[arg(long)]
     sink: Option<String>,
+    /// Only this table, copied again at a boundary of its own while the
+    /// flow follows (its apply held there meanwhile); the rest untouched.
+    #[arg(long)]
+    table: Option<String>,
+    /// With --table: seconds reaching the hold may take (the temporary
+    /// slot waits for running source transactions); the copy itself takes
+    /// what the table's size needs.
+    #[arg(long, default_value_t = crate::fence::DEFAULT_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
+    fence_timeout: u64,
     /// End with `verify` and its exit status.
     #[arg(long)]
     verify: bool,
@@ -1492,9 +1512,20 @@ pub struct ReseedArgs {
     format: Format,
 }
 
+/// `--table T` as the config spells its tables.
+fn table_arg(table: &str) -> anyhow::Result<String> {
+    TableName::parse(table)
+        .map(|n| n.to_string())
+        .map_err(|e| anyhow::anyhow!("--table {table:?} {e}\nhint: write schema.table as SQL does: public.sales, or public.\"Sales\" for a mixed-case name"))
+}
+
 /// Re-snapshot: marks the run failed_recoverable (with the reason) and runs
-/// the machine again from planned, then catches up and applies.
+/// the machine again from planned, then catches up and applies. With
+/// `--table`, that table alone, while its flow follows.
 pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
+    if let Some(table) = &args.table {
+        return reseed_table(&args, &table_arg(table)?);
+    }
     let config = config::load(&args.config)?;
     let config_path = args.config.display().to_string();
     let rt = runtime()?;
@@ -1544,6 +1575,85 @@ pub fn reseed(args: ReseedArgs) -> anyhow::Result<ExitCode> {
                 },
                 args.format,
                 (verify::CHUNK_ROWS, crate::fence::DEFAULT_TIMEOUT),
+                &rt,
+            )
+        });
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `reseed --table`: the table copied again on each chosen sink of each
+/// flow that replicates it, one at a time, each under its flow's fence.
+fn reseed_table(args: &ReseedArgs, table: &str) -> anyhow::Result<ExitCode> {
+    let config = config::load(&args.config)?;
+    let config_path = args.config.display().to_string();
+    let rt = runtime()?;
+    let text = args.format == Format::Text;
+    let timeout = Duration::from_secs(args.fence_timeout);
+    let chosen: Vec<_> = with_sink(&config, args.flow.as_deref(), args.sink.as_deref())?
+        .into_iter()
+        .filter(|(_, f)| f.tables.iter().any(|t| t == table))
+        .collect();
+    if chosen.is_empty() {
+        return Err(no_flow_replicates(&config, args.flow.as_deref(), table));
+    }
+    let mut done = Vec::new();
+    for (index, f) in chosen {
+        let mut progress = |line: &str| {
+            if text {
+                outln!("[{}] {line}", f.name);
+            } else {
+                errln!("[{}] {line}", f.name);
+            }
+        };
+        for sink in chosen_sinks(f, args.sink.as_deref())? {
+            let reseeded = rt
+                .block_on(async {
+                    let source_url = f.source.url.resolve(&format!("flows[{index}].source"))?;
+                    let target_url = flow::sink_url(f, index, sink)?;
+                    let source = flow::connect(&source_url, "source").await?;
+                    let target = flow::connect(&target_url, "target").await?;
+                    flow::refuse_same_database(&source, &target, &config_path).await?;
+                    crate::state::ensure(&target).await?;
+                    let cursor = crate::apply::sink_cursor(&f.name, sink.name);
+                    anyhow::Ok(
+                        crate::reseed::table(
+                            f,
+                            (sink.name, &cursor),
+                            (&source_url, &source, &target),
+                            table,
+                            (timeout, &config_path),
+                            &mut progress,
+                        )
+                        .await?,
+                    )
+                })
+                .with_context(|| match sink.position {
+                    Some(_) => format!("reseed {table} of flow {} sink {}", f.name, sink.name),
+                    None => format!("reseed {table} of flow {}", f.name),
+                })?;
+            progress(&format!(
+                "reseed {table}: copied {} rows at its own boundary {}; the apply was held {} ms (the copy {} ms); `trellara verify --table {table}` promotes it",
+                reseeded.rows, reseeded.boundary_lsn, reseeded.apply_held_ms, reseeded.copy_ms
+            ));
+            done.push(reseeded);
+        }
+    }
+    if !text && !args.verify {
+        outln!("{}", serde_json::to_string_pretty(&done)?);
+    }
+    if args.verify {
+        return could_not_verify(|| {
+            verify_flows(
+                &config,
+                &config_path,
+                Only {
+                    flow: args.flow.as_deref(),
+                    sink: args.sink.as_deref(),
+                    table: Some(table),
+                },
+                args.format,
+                (verify::CHUNK_ROWS, timeout),
                 &rt,
             )
         });

@@ -96,6 +96,16 @@ DO $$ BEGIN
         ALTER TABLE trellara.snapshot_tables ADD COLUMN boundary_lsn pg_lsn;
     END IF;
 END $$;
+-- A table copied at a boundary of its own (a join, a one-table reseed)
+-- has a snapshot state of its own, which verify promotes. NULL: the run's.
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                   WHERE table_schema = 'trellara' AND table_name = 'snapshot_tables'
+                     AND column_name = 'state') THEN
+        ALTER TABLE trellara.snapshot_tables ADD COLUMN state text
+            CHECK (state IN ('stream_handoff_ready', 'verified', 'failed_recoverable'));
+    END IF;
+END $$;
 -- Where verify holds the applier (state::fence); NULL or without its
 -- holder's advisory lock: nowhere.
 DO $$ BEGIN
@@ -177,9 +187,10 @@ pub async fn forget(client: &Client, flow: &str) -> Result<(), tokio_postgres::E
 
 /// The columns [`SCHEMA`] adds to a table an older build made, as
 /// (table, column).
-const ADDED_COLUMNS: [(&str, &str); 3] = [
+const ADDED_COLUMNS: [(&str, &str); 4] = [
     ("trellara.snapshot_tables", "fingerprint"),
     ("trellara.snapshot_tables", "boundary_lsn"),
+    ("trellara.snapshot_tables", "state"),
     ("trellara.checkpoints", "fence_lsn"),
 ];
 

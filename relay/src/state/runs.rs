@@ -123,8 +123,9 @@ pub async fn plan(
 }
 
 /// Records that the current run copied `rows` of `table`, whose schema
-/// then had `fingerprint`; `boundary` for a table that joined the flow
-/// after its run's boundary, at one of its own.
+/// then had `fingerprint`; `boundary` for a table copied at one of its own
+/// (it joined the flow after its run's boundary, or was reseeded alone),
+/// which then starts at stream_handoff_ready until verify promotes it.
 pub async fn record_table(
     client: &impl GenericClient,
     flow: &str,
@@ -135,10 +136,12 @@ pub async fn record_table(
 ) -> Result<(), tokio_postgres::Error> {
     client
         .execute(
-            "INSERT INTO trellara.snapshot_tables (flow, run_id, table_name, rows_copied, fingerprint, boundary_lsn)
-             SELECT $1, run_id, $2, $3, $4, $5::text::pg_lsn FROM trellara.snapshot_runs WHERE flow = $1
+            "INSERT INTO trellara.snapshot_tables (flow, run_id, table_name, rows_copied, fingerprint, boundary_lsn, state)
+             SELECT $1, run_id, $2, $3, $4, $5::text::pg_lsn, CASE WHEN $5 IS NOT NULL THEN 'stream_handoff_ready' END
+             FROM trellara.snapshot_runs WHERE flow = $1
              ON CONFLICT (flow, table_name) DO UPDATE SET rows_copied = EXCLUDED.rows_copied,
-                fingerprint = EXCLUDED.fingerprint, boundary_lsn = EXCLUDED.boundary_lsn, copied_at = now()",
+                fingerprint = EXCLUDED.fingerprint, boundary_lsn = EXCLUDED.boundary_lsn,
+                state = EXCLUDED.state, copied_at = now()",
             &[
                 &flow,
                 &table,
@@ -173,8 +176,13 @@ pub async fn forget_table(
 pub struct CopiedTable {
     pub name: String,
     pub fingerprint: Option<u64>,
-    /// Its own boundary, when it joined the flow after the run's.
+    /// Its own boundary, when it was copied after the run's.
     pub boundary: Option<Lsn>,
+    /// Its own snapshot state, when it has a boundary of its own.
+    pub state: Option<SnapshotState>,
+    pub rows_copied: i64,
+    /// When it was copied.
+    pub copied_at: String,
 }
 
 /// The tables the flow's current run copied.
@@ -184,7 +192,8 @@ pub async fn tables(
 ) -> Result<Vec<CopiedTable>, tokio_postgres::Error> {
     let rows = client
         .query(
-            "SELECT table_name, fingerprint, boundary_lsn FROM trellara.snapshot_tables WHERE flow = $1",
+            "SELECT table_name, fingerprint, boundary_lsn, state, rows_copied, copied_at::text
+             FROM trellara.snapshot_tables WHERE flow = $1 ORDER BY table_name",
             &[&flow],
         )
         .await?;
@@ -194,6 +203,26 @@ pub async fn tables(
             name: r.get(0),
             fingerprint: r.get::<_, Option<i64>>(1).map(|f| f as u64),
             boundary: r.get::<_, Option<PgLsn>>(2).map(super::lsn),
+            state: r.get::<_, Option<&str>>(3).and_then(SnapshotState::parse),
+            rows_copied: r.get(4),
+            copied_at: r.get(5),
         })
         .collect())
+}
+
+/// Moves the flow's tables with a state of their own (`only`: that one)
+/// from `from` to `to`, as a verdict about them allows; how many moved.
+pub async fn move_tables(
+    client: &impl GenericClient,
+    flow: &str,
+    only: Option<&[String]>,
+    (from, to): (SnapshotState, SnapshotState),
+) -> Result<u64, tokio_postgres::Error> {
+    client
+        .execute(
+            "UPDATE trellara.snapshot_tables SET state = $3
+             WHERE flow = $1 AND state = $2 AND ($4::text[] IS NULL OR table_name = ANY($4))",
+            &[&flow, &from.as_str(), &to.as_str(), &only],
+        )
+        .await
 }

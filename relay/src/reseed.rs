@@ -1,0 +1,292 @@
+//! One table at a new boundary while its flow follows:
+//! `trellara reseed --flow F --table T`.
+//!
+//! ```text
+//!  checks (nothing touched yet)
+//!  fence: the flow's applier holds at L, having applied every commit < L
+//!  target: BEGIN; DELETE FROM T; COPY T at the source snapshot of L;
+//!          T's row in snapshot_tables (boundary L, stream_handoff_ready);
+//!          checkpoint still < L; COMMIT
+//!  fence released: the applier goes on from L, T's changes with the rest
+//! ```
+//!
+//! Invariants:
+//! * No reader sees a source transaction half applied. Until the copy
+//!   commits, T holds what the applier applied, the same commits as every
+//!   other table; from its commit T is at L, and so is the rest, because the
+//!   applier holds there: a transaction touching T and another table waits
+//!   with the held apply. The table is emptied with DELETE, not TRUNCATE,
+//!   so a reader whose snapshot predates the commit still sees the old
+//!   rows (TRUNCATE shows it an empty table).
+//! * The copy is one target transaction: a copy that fails, or a reseed
+//!   that dies, leaves T as it was, and the fence lock goes with the
+//!   session, so the applier resumes by itself.
+//! * T's changes that committed before L are in its copy. The held
+//!   applier applied all of them already, so nothing is applied twice; the
+//!   boundary is recorded so that an applier reading them again skips T's
+//!   share (crate::apply's joined tables).
+
+use crate::config::Flow;
+use crate::fence::FenceError;
+use crate::snapshot::SnapshotError;
+use crate::state::SnapshotState;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_postgres::Client;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReseedError {
+    #[error(
+        "flow {flow} is not following: no `run --follow` or relay holds its log, so there is no running apply to hold at the table's new boundary\nhint: start it (trellara run --follow --config {config} --flow {flow}, or the relay and apply services) and reseed the table while it follows, or recopy every table: trellara reseed --config {config} --flow {flow}"
+    )]
+    NotFollowing { flow: String, config: String },
+    #[error(
+        "flow {flow} is on the kafka transport: its applier reads the topic, which has no position record to hold it at, so one table cannot be copied again under it\nhint: recopy the whole flow: trellara reseed --config {config} --flow {flow}"
+    )]
+    Kafka { flow: String, config: String },
+    #[error(
+        "flow {flow}: its snapshot run is {state}, so no table has a copy to replace yet\nhint: trellara reseed --config {config} --flow {flow} copies every table"
+    )]
+    NotHandedOff {
+        flow: String,
+        state: String,
+        config: String,
+    },
+    #[error(
+        "flow {flow}: table {table} has no copy on the target yet (it joins the flow in its next round)\nhint: wait until `trellara status --flow {flow}` lists it, then reseed it"
+    )]
+    NotCopied { flow: String, table: String },
+    #[error(
+        "table {table} is referenced on the target by {from} (foreign key {constraint}), so it cannot be emptied alone: the copy would break or cascade into {from}\nhint: recopy the whole flow (trellara reseed --config {config} --flow {flow}), or drop the constraint on the target: ALTER TABLE {from} DROP CONSTRAINT {constraint}"
+    )]
+    Referenced {
+        flow: String,
+        table: String,
+        from: String,
+        constraint: String,
+        config: String,
+    },
+    #[error(
+        "table {table} does not exist on the {side}\nhint: create it there with the source's columns"
+    )]
+    Missing { table: String, side: &'static str },
+    #[error(
+        "table {table} was altered on the source after the boundary {at}, before it was copied (a rewrite shows a snapshot no rows); nothing was changed on the target\nhint: run the reseed again"
+    )]
+    SchemaMoved { table: String, at: String },
+    #[error(transparent)]
+    Connect(#[from] crate::session::ConnectError),
+    #[error("reseed: the source database")]
+    Source(#[source] tokio_postgres::Error),
+    #[error("reseed: the target database")]
+    Target(#[source] tokio_postgres::Error),
+    #[error("reseed: read the flow's log lock at {path}")]
+    LogLock {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Fence(#[from] FenceError),
+    #[error(transparent)]
+    Copy(#[from] SnapshotError),
+}
+
+/// What a one-table reseed did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Reseeded {
+    pub flow: String,
+    pub sink: String,
+    pub table: String,
+    /// L: the table's new boundary, where the apply was held.
+    pub boundary_lsn: String,
+    pub rows: u64,
+    /// From the first fence to the release: what the flow's apply waited.
+    pub apply_held_ms: u64,
+    /// Emptying and copying the table, inside the hold.
+    pub copy_ms: u64,
+}
+
+/// Copies `table` of the following `flow` again, on the sink whose log
+/// cursor is `cursor`, at a boundary of its own (see the module docs).
+/// `source` and `target` are the flow's sessions; `timeout` bounds
+/// reaching the hold (the copy takes what the table's size needs).
+pub async fn table(
+    flow: &Flow,
+    (sink, cursor): (&str, &str),
+    (source_url, source, target): (&str, &Client, &Client),
+    table: &str,
+    (timeout, config): (Duration, &str),
+    progress: &mut dyn FnMut(&str),
+) -> Result<Reseeded, ReseedError> {
+    let log_dir = checks(flow, (source, target), table, config).await?;
+    let qualified = crate::config::quote_table(table).unwrap_or_else(|| table.to_owned());
+    // Outside the fence's snapshot: the table as it is now.
+    let watch = crate::session::connect(source_url, "source").await?;
+    progress(&format!(
+        "reseed {table}: holding the flow's apply at a fence (up to {} s to reach it)",
+        timeout.as_secs()
+    ));
+    let (at, (rows, copy), held) = crate::fence::hold_apply(
+        flow,
+        (log_dir, cursor),
+        (source_url, source, target),
+        timeout,
+        async |at| -> Result<(u64, Duration), ReseedError> {
+            progress(&format!(
+                "reseed {table}: the apply holds at {at}; copying the table at it"
+            ));
+            let started = Instant::now();
+            source
+                .batch_execute("SET LOCAL statement_timeout = 0")
+                .await
+                .map_err(ReseedError::Source)?;
+            let seen = crate::verify::catalog_stamp(source, &qualified)
+                .await
+                .map_err(ReseedError::Source)?;
+            target
+                .batch_execute(&format!(
+                    "BEGIN; SET LOCAL statement_timeout = 0; DELETE FROM {qualified}"
+                ))
+                .await
+                .map_err(ReseedError::Target)?;
+            let rows = crate::snapshot::copy_in_snapshot(
+                table,
+                (source, target),
+                &flow.name,
+                Some(at),
+                progress,
+            )
+            .await?;
+            // A snapshot reads the catalog as of L but the rows through
+            // the table's current file: a rewrite after L (the COPY's lock
+            // keeps one out while it reads) shows it none.
+            let now = crate::verify::catalog_stamp(&watch, &qualified)
+                .await
+                .map_err(ReseedError::Source)?;
+            if now != seen {
+                return Err(ReseedError::SchemaMoved {
+                    table: table.to_owned(),
+                    at: at.to_string(),
+                });
+            }
+            // An applier that did not hold would leave the copy behind
+            // its own changes: refused, and rolled back.
+            crate::fence::not_passed(target, &flow.name, at).await?;
+            target
+                .batch_execute("COMMIT")
+                .await
+                .map_err(ReseedError::Target)?;
+            source
+                .batch_execute("COMMIT")
+                .await
+                .map_err(ReseedError::Source)?;
+            Ok((rows, started.elapsed()))
+        },
+    )
+    .await?;
+    crate::fence::forget(target, flow).await;
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    Ok(Reseeded {
+        flow: flow.name.clone(),
+        sink: sink.to_owned(),
+        table: table.to_owned(),
+        boundary_lsn: at.to_string(),
+        rows,
+        apply_held_ms: ms(held),
+        copy_ms: ms(copy),
+    })
+}
+
+/// Everything that would refuse the reseed, before the source or the
+/// target is touched; the flow's log, which its running process holds.
+async fn checks<'f>(
+    flow: &'f Flow,
+    (source, target): (&Client, &Client),
+    table: &str,
+    config: &str,
+) -> Result<&'f std::path::Path, ReseedError> {
+    let name = &flow.name;
+    if matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
+        return Err(ReseedError::Kafka {
+            flow: name.clone(),
+            config: config.to_owned(),
+        });
+    }
+    let followed = crate::fence::followed_log(flow).map_err(|source| ReseedError::LogLock {
+        path: flow
+            .log_dir()
+            .map(|d| d.display().to_string())
+            .unwrap_or_default(),
+        source,
+    })?;
+    let Some(log_dir) = followed else {
+        return Err(ReseedError::NotFollowing {
+            flow: name.clone(),
+            config: config.to_owned(),
+        });
+    };
+    let run = crate::state::runs::load(target, name)
+        .await
+        .map_err(ReseedError::Target)?;
+    let state = run.map(|r| r.state);
+    if !matches!(
+        state,
+        Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
+    ) {
+        return Err(ReseedError::NotHandedOff {
+            flow: name.clone(),
+            state: state.map_or("missing", SnapshotState::as_str).to_owned(),
+            config: config.to_owned(),
+        });
+    }
+    let copied = crate::state::runs::tables(target, name)
+        .await
+        .map_err(ReseedError::Target)?;
+    if !copied.iter().any(|t| t.name == table) {
+        return Err(ReseedError::NotCopied {
+            flow: name.clone(),
+            table: table.to_owned(),
+        });
+    }
+    let qualified = crate::config::quote_table(table).unwrap_or_else(|| table.to_owned());
+    for (side, client) in [("source", source), ("target", target)] {
+        let exists: bool = client
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+            .await
+            .map_err(|e| match side {
+                "source" => ReseedError::Source(e),
+                _ => ReseedError::Target(e),
+            })?
+            .get(0);
+        if !exists {
+            return Err(ReseedError::Missing {
+                table: table.to_owned(),
+                side,
+            });
+        }
+    }
+    // Another table's foreign key: DELETE would fail on it, or cascade.
+    let link = target
+        .query_opt(
+            "SELECT rn.nspname || '.' || r.relname, c.conname
+             FROM pg_constraint c
+             JOIN pg_class r ON r.oid = c.conrelid JOIN pg_namespace rn ON rn.oid = r.relnamespace
+             WHERE c.contype = 'f' AND c.conparentid = 0 AND c.confrelid = to_regclass($1)
+               AND c.conrelid <> c.confrelid
+             ORDER BY 1, 2 LIMIT 1",
+            &[&qualified],
+        )
+        .await
+        .map_err(ReseedError::Target)?;
+    if let Some(link) = link {
+        return Err(ReseedError::Referenced {
+            flow: name.clone(),
+            table: table.to_owned(),
+            from: link.get(0),
+            constraint: link.get(1),
+            config: config.to_owned(),
+        });
+    }
+    Ok(log_dir)
+}
