@@ -1176,6 +1176,31 @@ fn a_native_follower_counts_and_keeps_no_foreign_wal() {
             );
         };
         fenced_verify("after the inserts");
+        // One table copied again under the held apply, on this path too.
+        target.psql("UPDATE public.orders SET note = 'behind its back' WHERE id = 2");
+        let out = as_owner(&[
+            "reseed",
+            "--config",
+            "trellara.yml",
+            "--table",
+            "public.orders",
+            "--verify",
+        ])
+        .output()
+        .expect("reseed --table");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success()
+                && text.contains("copied 7 rows at its own boundary")
+                && text.contains("main CONVERGED"),
+            "{major}: reseed --table:\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            target.psql_value("SELECT note FROM public.orders WHERE id = 2"),
+            "n",
+            "{major}: the changed row is mended"
+        );
         // Foreign writes: 256 MiB of WAL in another database.
         source.psql("CREATE DATABASE elsewhere");
         let mut elsewhere = source.try_connect("elsewhere").expect("connect elsewhere");
