@@ -54,15 +54,15 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug, thiserror::Error)]
 pub enum FenceError {
     #[error(
-        "flow {flow}: another verify holds the flow's fence on this target\nhint: wait for it to finish, then run verify again"
+        "flow {flow}: another verify or one-table reseed holds the flow's fence on this target\nhint: wait for it to finish, then run this command again"
     )]
     Busy { flow: String },
     #[error(
-        "flow {flow} has no checkpoint on the target (its snapshot was not handed off yet), so no applier follows it to hold\nhint: wait until `trellara status --flow {flow}` shows the flow streaming, then run verify again"
+        "flow {flow} has no checkpoint on the target (its snapshot was not handed off yet), so no applier follows it to hold\nhint: wait until `trellara status --flow {flow}` shows the flow streaming, then run this command again"
     )]
     NoCheckpoint { flow: String },
     #[error(
-        "flow {flow}: the fence was given up after {secs} s: {waiting}; the flow's apply goes on, nothing was compared\nhint: {hint}"
+        "flow {flow}: the fence was given up after {secs} s: {waiting}; the flow's apply goes on, nothing was compared or copied\nhint: {hint}"
     )]
     TimedOut {
         flow: String,
@@ -71,7 +71,7 @@ pub enum FenceError {
         hint: String,
     },
     #[error(
-        "flow {flow}: the target's checkpoint {applied} is at or past the fence {at}, so the applier did not hold; nothing was compared"
+        "flow {flow}: the target's checkpoint {applied} is at or past the fence {at}, so the applier did not hold; nothing was compared or copied\nhint: an applier of an older trellara build ignores the fence: upgrade every process of the flow, then run this command again"
     )]
     Passed { flow: String, applied: Lsn, at: Lsn },
     #[error("fence: the source database")]
@@ -160,18 +160,22 @@ pub async fn hold_apply<T, E: From<FenceError>>(
         Err(e) => Err(e.into()),
     };
     // Whatever happened, the applier goes on; a session gone releases it
-    // on its own.
-    let released = crate::state::fence::release(target, name).await;
+    // on its own. A failed step's transaction is rolled back first: the
+    // unlock cannot run in an aborted one, and nothing uncommitted is left
+    // when the applier moves.
+    if taken.is_err() {
+        let _ = target.batch_execute("ROLLBACK").await;
+    }
+    if let Err(e) = crate::state::fence::release(target, name).await {
+        tracing::warn!(flow = %name, error = %crate::errors::Chain(&e), "the fence was not released: the applier holds until this session ends");
+    }
     let held = started.elapsed();
     match taken {
-        Ok((at, done)) => {
-            released.map_err(FenceError::Target)?;
-            Ok((at, done, held))
-        }
+        Ok((at, done)) => Ok((at, done, held)),
         Err(e) => {
-            let _ = source.batch_execute("ROLLBACK").await;
-            let _ = target.batch_execute("ROLLBACK").await;
             let _ = crate::state::fence::clear(target, name, FORGET_PATIENCE).await;
+            // Last: it may wait for the rest of a COPY the target left.
+            let _ = source.batch_execute("ROLLBACK").await;
             Err(e)
         }
     }
@@ -193,17 +197,44 @@ pub async fn not_passed(target: &Client, flow: &str, at: Lsn) -> Result<Option<L
     }
 }
 
-/// The log of `flow` when a running process holds it and the fence can
-/// reach its applier through it (the local transport: an applier reading
-/// a Kafka topic has no position record to be held at).
-pub fn followed_log(flow: &Flow) -> std::io::Result<Option<&Path>> {
+/// The log of `flow` when a running process holds it, or an applier
+/// applies it (the apply service goes on while its relay is down), and the
+/// fence can reach that applier through it (the local transport: an
+/// applier reading a Kafka topic has no position record to be held at).
+pub async fn followed_log<'f>(
+    flow: &'f Flow,
+    target: &Client,
+) -> Result<Option<&'f Path>, Following> {
     let Some(dir) = flow.log_dir().filter(|d| d.exists()) else {
         return Ok(None);
     };
     if matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
         return Ok(None);
     }
-    Ok(crate::lock::try_lock(dir)?.is_none().then_some(dir))
+    let held = crate::lock::try_lock(dir)
+        .map_err(|source| Following::LogLock {
+            path: dir.display().to_string(),
+            source,
+        })?
+        .is_none();
+    let applying = held
+        || crate::state::applying(target, &flow.name)
+            .await
+            .map_err(Following::Target)?;
+    Ok(applying.then_some(dir))
+}
+
+/// Why [`followed_log`] could not tell.
+#[derive(Debug, thiserror::Error)]
+pub enum Following {
+    #[error("lock the log directory {path} to read it\nhint: check that this user may write there")]
+    LogLock {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("ask the target whether the flow's applier runs")]
+    Target(#[source] tokio_postgres::Error),
 }
 
 /// Clears the released fence's row once the caller's snapshot ended, so
@@ -301,7 +332,7 @@ impl Steps<'_> {
                     .await;
                 return Err(self.timed_out(
                         format!("creating the fence's temporary slot waited for: {waiting}"),
-                        "let these transactions finish (COMMIT PREPARED / ROLLBACK PREPARED a prepared one), or give verify longer with --fence-timeout",
+                        "let these transactions finish (COMMIT PREPARED / ROLLBACK PREPARED a prepared one), or give the command longer with --fence-timeout",
                     ));
             }
         };
@@ -332,7 +363,23 @@ impl Steps<'_> {
         source: &Client,
         at: Lsn,
     ) -> Result<Option<Lsn>, FenceError> {
-        let log = Log::follow(log_dir, LogConfig::default())?;
+        // A follower whose capture has not started yet (its snapshot just
+        // handed off) opens the log in a moment.
+        let log = loop {
+            match Log::follow(log_dir, LogConfig::default()) {
+                Ok(log) => break log,
+                Err(crate::log::Error::NotWritten { .. }) if Instant::now() < self.deadline => {
+                    tokio::time::sleep(STEP_POLL).await;
+                }
+                Err(crate::log::Error::NotWritten { .. }) => {
+                    return Err(self.timed_out(
+                        "the flow's capture did not open its log".into(),
+                        "is the flow's capture running? `trellara status` shows it",
+                    ));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
         let mut next = log
             .cursor(cursor)
             .map_or(log.first_offset(), |c| c.next_offset);
@@ -378,7 +425,7 @@ impl Steps<'_> {
                         self.flow.slot(),
                         confirmed.map_or("nothing".to_owned(), |c| c.to_string())
                     ),
-                    "is the flow's capture running? `trellara status` shows it; verify a flow that is not following stopped",
+                    "is the flow's capture running? `trellara status` shows it (a flow that is not following is verified stopped)",
                 ));
             }
             tokio::time::sleep(STEP_POLL).await;

@@ -53,9 +53,34 @@ pub enum ReseedError {
         config: String,
     },
     #[error(
-        "flow {flow}: table {table} has no copy on the target yet (it joins the flow in its next round)\nhint: wait until `trellara status --flow {flow}` lists it, then reseed it"
+        "flow {flow}: table {table} has no copy on the target yet (it joins the flow in its next round)\nhint: wait until `trellara status --config {config} --flow {flow}` lists it, then reseed it"
     )]
-    NotCopied { flow: String, table: String },
+    NotCopied {
+        flow: String,
+        table: String,
+        config: String,
+    },
+    #[error(
+        "flow {flow}: the sink's log cursor {cursor} is gone (it held the log past transport.retention_mib), so every table of the sink is behind, not this one alone\nhint: copy the whole sink again: trellara reseed --config {config} --flow {flow} --sink NAME"
+    )]
+    NoCursor {
+        flow: String,
+        cursor: String,
+        config: String,
+    },
+    #[error(
+        "flow {flow}: the target's trellara state tables are an older build's, which no following applier of this build has brought up to date\nhint: run every process of the flow with this build (the applier updates them when it starts), then reseed"
+    )]
+    OlderState { flow: String },
+    #[error(
+        "flow {flow}: table {table} has the DELETE trigger {trigger} on the target, which emptying the table for the copy would fire for every row\nhint: disable it for the reseed (ALTER TABLE {table} DISABLE TRIGGER {trigger}, then ENABLE it), or recopy the whole flow: trellara reseed --config {config} --flow {flow}"
+    )]
+    Trigger {
+        flow: String,
+        table: String,
+        trigger: String,
+        config: String,
+    },
     #[error(
         "table {table} is referenced on the target by {from} (foreign key {constraint}), so it cannot be emptied alone: the copy would break or cascade into {from}\nhint: recopy the whole flow (trellara reseed --config {config} --flow {flow}), or drop the constraint on the target: ALTER TABLE {from} DROP CONSTRAINT {constraint}"
     )]
@@ -67,9 +92,14 @@ pub enum ReseedError {
         config: String,
     },
     #[error(
-        "table {table} does not exist on the {side}\nhint: create it there with the source's columns"
+        "flow {flow}: table {table} does not exist on the {side}\nhint: {}",
+        if *side == "source" { "it was dropped there: take it out of flows[].tables (it then leaves the flow)" } else { "create it on the target with the source's columns" }
     )]
-    Missing { table: String, side: &'static str },
+    Missing {
+        flow: String,
+        table: String,
+        side: &'static str,
+    },
     #[error(
         "table {table} was altered on the source after the boundary {at}, before it was copied (a rewrite shows a snapshot no rows); nothing was changed on the target\nhint: run the reseed again"
     )]
@@ -80,12 +110,8 @@ pub enum ReseedError {
     Source(#[source] tokio_postgres::Error),
     #[error("reseed: the target database")]
     Target(#[source] tokio_postgres::Error),
-    #[error("reseed: read the flow's log lock at {path}")]
-    LogLock {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Following(#[from] crate::fence::Following),
     #[error(transparent)]
     Fence(#[from] FenceError),
     #[error(transparent)]
@@ -110,7 +136,8 @@ pub struct Reseeded {
 /// Copies `table` of the following `flow` again, on the sink whose log
 /// cursor is `cursor`, at a boundary of its own (see the module docs).
 /// `source` and `target` are the flow's sessions; `timeout` bounds
-/// reaching the hold (the copy takes what the table's size needs).
+/// reaching the hold and every lock the copy waits for (the copy itself
+/// takes what the table's size needs).
 pub async fn table(
     flow: &Flow,
     (sink, cursor): (&str, &str),
@@ -119,14 +146,20 @@ pub async fn table(
     (timeout, config): (Duration, &str),
     progress: &mut dyn FnMut(&str),
 ) -> Result<Reseeded, ReseedError> {
-    let log_dir = checks(flow, (source, target), table, config).await?;
+    let refuse = Refuse {
+        flow,
+        table,
+        config,
+    };
     let qualified = crate::config::quote_table(table).unwrap_or_else(|| table.to_owned());
+    let log_dir = refuse.checks((source, target), &qualified, cursor).await?;
     // Outside the fence's snapshot: the table as it is now.
     let watch = crate::session::connect(source_url, "source").await?;
     progress(&format!(
         "reseed {table}: holding the flow's apply at a fence (up to {} s to reach it)",
         timeout.as_secs()
     ));
+    let lock_timeout = format!("SET LOCAL lock_timeout = '{}s'", timeout.as_secs());
     let (at, (rows, copy), held) = crate::fence::hold_apply(
         flow,
         (log_dir, cursor),
@@ -137,8 +170,12 @@ pub async fn table(
                 "reseed {table}: the apply holds at {at}; copying the table at it"
             ));
             let started = Instant::now();
+            // Locked from here, so no rewrite lands between the stamp
+            // below and the COPY.
             source
-                .batch_execute("SET LOCAL statement_timeout = 0")
+                .batch_execute(&format!(
+                    "SET LOCAL statement_timeout = 0; {lock_timeout}; LOCK TABLE {qualified} IN ACCESS SHARE MODE"
+                ))
                 .await
                 .map_err(ReseedError::Source)?;
             let seen = crate::verify::catalog_stamp(source, &qualified)
@@ -146,8 +183,35 @@ pub async fn table(
                 .map_err(ReseedError::Source)?;
             target
                 .batch_execute(&format!(
-                    "BEGIN; SET LOCAL statement_timeout = 0; DELETE FROM {qualified}"
+                    "BEGIN; SET LOCAL statement_timeout = 0; {lock_timeout}; LOCK TABLE {qualified} IN ROW EXCLUSIVE MODE"
                 ))
+                .await
+                .map_err(ReseedError::Target)?;
+            // Kept until the commit: an applier that did not hold cannot
+            // commit past the fence under the copy either.
+            let applied: Option<String> = target
+                .query_opt(
+                    "SELECT commit_lsn::text FROM trellara.checkpoints WHERE flow = $1 FOR SHARE",
+                    &[&flow.name],
+                )
+                .await
+                .map_err(ReseedError::Target)?
+                .and_then(|r| r.get(0));
+            if let Some(applied) = applied.and_then(|a| a.parse::<trellara_common::Lsn>().ok())
+                && applied >= at
+            {
+                return Err(FenceError::Passed {
+                    flow: flow.name.clone(),
+                    applied,
+                    at,
+                }
+                .into());
+            }
+            // Again under the table's lock: a constraint or trigger added
+            // since the first look.
+            refuse.dependents(target, &qualified).await?;
+            target
+                .batch_execute(&format!("DELETE FROM {qualified}"))
                 .await
                 .map_err(ReseedError::Target)?;
             let rows = crate::snapshot::copy_in_snapshot(
@@ -159,8 +223,8 @@ pub async fn table(
             )
             .await?;
             // A snapshot reads the catalog as of L but the rows through
-            // the table's current file: a rewrite after L (the COPY's lock
-            // keeps one out while it reads) shows it none.
+            // the table's current files: a rewrite or TRUNCATE after L, of
+            // it or a partition, shows it none.
             let now = crate::verify::catalog_stamp(&watch, &qualified)
                 .await
                 .map_err(ReseedError::Source)?;
@@ -170,17 +234,16 @@ pub async fn table(
                     at: at.to_string(),
                 });
             }
-            // An applier that did not hold would leave the copy behind
-            // its own changes: refused, and rolled back.
-            crate::fence::not_passed(target, &flow.name, at).await?;
-            target
-                .batch_execute("COMMIT")
-                .await
-                .map_err(ReseedError::Target)?;
+            // The source's is read-only: ended first, so that nothing can
+            // fail once the copy is committed.
             source
                 .batch_execute("COMMIT")
                 .await
                 .map_err(ReseedError::Source)?;
+            target
+                .batch_execute("COMMIT")
+                .await
+                .map_err(ReseedError::Target)?;
             Ok((rows, started.elapsed()))
         },
     )
@@ -198,95 +261,150 @@ pub async fn table(
     })
 }
 
-/// Everything that would refuse the reseed, before the source or the
-/// target is touched; the flow's log, which its running process holds.
-async fn checks<'f>(
-    flow: &'f Flow,
-    (source, target): (&Client, &Client),
-    table: &str,
-    config: &str,
-) -> Result<&'f std::path::Path, ReseedError> {
-    let name = &flow.name;
-    if matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
-        return Err(ReseedError::Kafka {
-            flow: name.clone(),
-            config: config.to_owned(),
-        });
-    }
-    let followed = crate::fence::followed_log(flow).map_err(|source| ReseedError::LogLock {
-        path: flow
-            .log_dir()
-            .map(|d| d.display().to_string())
-            .unwrap_or_default(),
-        source,
-    })?;
-    let Some(log_dir) = followed else {
-        return Err(ReseedError::NotFollowing {
-            flow: name.clone(),
-            config: config.to_owned(),
-        });
-    };
-    let run = crate::state::runs::load(target, name)
-        .await
-        .map_err(ReseedError::Target)?;
-    let state = run.map(|r| r.state);
-    if !matches!(
-        state,
-        Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
-    ) {
-        return Err(ReseedError::NotHandedOff {
-            flow: name.clone(),
-            state: state.map_or("missing", SnapshotState::as_str).to_owned(),
-            config: config.to_owned(),
-        });
-    }
-    let copied = crate::state::runs::tables(target, name)
-        .await
-        .map_err(ReseedError::Target)?;
-    if !copied.iter().any(|t| t.name == table) {
-        return Err(ReseedError::NotCopied {
-            flow: name.clone(),
-            table: table.to_owned(),
-        });
-    }
-    let qualified = crate::config::quote_table(table).unwrap_or_else(|| table.to_owned());
-    for (side, client) in [("source", source), ("target", target)] {
-        let exists: bool = client
-            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
-            .await
-            .map_err(|e| match side {
-                "source" => ReseedError::Source(e),
-                _ => ReseedError::Target(e),
-            })?
-            .get(0);
-        if !exists {
-            return Err(ReseedError::Missing {
-                table: table.to_owned(),
-                side,
+/// What would refuse a reseed of `table`, and the errors that say so.
+struct Refuse<'a> {
+    flow: &'a Flow,
+    table: &'a str,
+    config: &'a str,
+}
+
+impl<'f> Refuse<'f> {
+    /// Everything that would refuse the reseed, before the source or the
+    /// target is changed; the flow's log, which its running process holds.
+    async fn checks(
+        &self,
+        (source, target): (&Client, &Client),
+        qualified: &str,
+        cursor: &str,
+    ) -> Result<&'f std::path::Path, ReseedError> {
+        let (flow, table, config) = (self.flow, self.table, self.config);
+        let name = &flow.name;
+        if matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
+            return Err(ReseedError::Kafka {
+                flow: name.clone(),
+                config: config.to_owned(),
             });
         }
+        let Some(log_dir) = crate::fence::followed_log(flow, target).await? else {
+            return Err(ReseedError::NotFollowing {
+                flow: name.clone(),
+                config: config.to_owned(),
+            });
+        };
+        // A following flow's applier brought the state tables up to date
+        // when it started; an older build's are refused, not changed.
+        if !crate::state::current(target)
+            .await
+            .map_err(ReseedError::Target)?
+        {
+            return Err(ReseedError::OlderState { flow: name.clone() });
+        }
+        let run = crate::state::runs::load(target, name)
+            .await
+            .map_err(ReseedError::Target)?;
+        let state = run.map(|r| r.state);
+        if !matches!(
+            state,
+            Some(SnapshotState::StreamHandoffReady | SnapshotState::Verified)
+        ) {
+            return Err(ReseedError::NotHandedOff {
+                flow: name.clone(),
+                state: state.map_or("missing", SnapshotState::as_str).to_owned(),
+                config: config.to_owned(),
+            });
+        }
+        let copied = crate::state::runs::tables(target, name)
+            .await
+            .map_err(ReseedError::Target)?;
+        if !copied.iter().any(|t| t.name == table) {
+            return Err(ReseedError::NotCopied {
+                flow: name.clone(),
+                table: table.to_owned(),
+                config: config.to_owned(),
+            });
+        }
+        // A sink whose cursor is gone is behind in every table: copying
+        // one would put it ahead of the rest.
+        if !log_dir
+            .join("cursors")
+            .join(format!("{cursor}.cursor"))
+            .exists()
+        {
+            return Err(ReseedError::NoCursor {
+                flow: name.clone(),
+                cursor: cursor.to_owned(),
+                config: config.to_owned(),
+            });
+        }
+        for (side, client) in [("source", source), ("target", target)] {
+            let exists: bool = client
+                .query_one("SELECT to_regclass($1) IS NOT NULL", &[&qualified])
+                .await
+                .map_err(|e| match side {
+                    "source" => ReseedError::Source(e),
+                    _ => ReseedError::Target(e),
+                })?
+                .get(0);
+            if !exists {
+                return Err(ReseedError::Missing {
+                    flow: name.clone(),
+                    table: table.to_owned(),
+                    side,
+                });
+            }
+        }
+        self.dependents(target, qualified).await?;
+        Ok(log_dir)
     }
-    // Another table's foreign key: DELETE would fail on it, or cascade.
-    let link = target
-        .query_opt(
-            "SELECT rn.nspname || '.' || r.relname, c.conname
-             FROM pg_constraint c
-             JOIN pg_class r ON r.oid = c.conrelid JOIN pg_namespace rn ON rn.oid = r.relnamespace
-             WHERE c.contype = 'f' AND c.conparentid = 0 AND c.confrelid = to_regclass($1)
-               AND c.conrelid <> c.confrelid
-             ORDER BY 1, 2 LIMIT 1",
-            &[&qualified],
-        )
-        .await
-        .map_err(ReseedError::Target)?;
-    if let Some(link) = link {
-        return Err(ReseedError::Referenced {
-            flow: name.clone(),
-            table: table.to_owned(),
-            from: link.get(0),
-            constraint: link.get(1),
-            config: config.to_owned(),
-        });
+
+    /// What the DELETE would reach beyond the table's rows on the target:
+    /// another table's foreign key to it or to one of its partitions (the
+    /// delete would fail, or cascade), a DELETE trigger (it would fire for
+    /// every row).
+    async fn dependents(&self, target: &Client, qualified: &str) -> Result<(), ReseedError> {
+        let link = target
+            .query_opt(
+                "WITH tree AS (SELECT to_regclass($1) AS relid UNION SELECT relid FROM pg_partition_tree(to_regclass($1)))
+                 SELECT rn.nspname || '.' || r.relname, c.conname
+                 FROM pg_constraint c
+                 JOIN pg_class r ON r.oid = c.conrelid JOIN pg_namespace rn ON rn.oid = r.relnamespace
+                 WHERE c.contype = 'f' AND c.confrelid IN (SELECT relid FROM tree)
+                   AND c.conrelid NOT IN (SELECT relid FROM tree)
+                 ORDER BY 1, 2 LIMIT 1",
+                &[&qualified],
+            )
+            .await
+            .map_err(ReseedError::Target)?;
+        if let Some(link) = link {
+            return Err(ReseedError::Referenced {
+                flow: self.flow.name.clone(),
+                table: self.table.to_owned(),
+                from: link.get(0),
+                constraint: link.get(1),
+                config: self.config.to_owned(),
+            });
+        }
+        // tgtype bit 3 (8): fires on DELETE; 'D': disabled.
+        let trigger: Option<String> = target
+            .query_opt(
+                "WITH tree AS (SELECT to_regclass($1) AS relid UNION SELECT relid FROM pg_partition_tree(to_regclass($1)))
+                 SELECT tgname::text FROM pg_trigger
+                 WHERE tgrelid IN (SELECT relid FROM tree)
+                   AND NOT tgisinternal AND tgenabled <> 'D' AND tgtype & 8 <> 0
+                 ORDER BY 1 LIMIT 1",
+                &[&qualified],
+            )
+            .await
+            .map_err(ReseedError::Target)?
+            .map(|r| r.get(0));
+        if let Some(trigger) = trigger {
+            return Err(ReseedError::Trigger {
+                flow: self.flow.name.clone(),
+                table: self.table.to_owned(),
+                trigger,
+                config: self.config.to_owned(),
+            });
+        }
+        Ok(())
     }
-    Ok(log_dir)
 }

@@ -148,6 +148,8 @@ pub enum VerifyError {
         side: &'static str,
         at: String,
     },
+    #[error(transparent)]
+    Following(#[from] crate::fence::Following),
     #[error("lock the log directory {path} to read it\nhint: check that this user may write there")]
     LogLock {
         path: String,
@@ -533,18 +535,6 @@ impl Commands {
     }
 }
 
-/// The log of `flow` when a running process holds it and the fence can
-/// reach its applier through it.
-fn followed_log(flow: &Flow) -> Result<Option<&Path>, VerifyError> {
-    crate::fence::followed_log(flow).map_err(|source| VerifyError::LogLock {
-        path: flow
-            .log_dir()
-            .map(|d| d.display().to_string())
-            .unwrap_or_default(),
-        source,
-    })
-}
-
 /// Runs every check for `flow` and records the verdict in the target. A
 /// flow that follows is compared at a fence when `following` says how.
 pub async fn verify(
@@ -571,7 +561,7 @@ pub async fn verify(
         .map_err(state_error)?;
     let commands = Commands::of(flow, config_path);
     let cursor = crate::apply::sink_cursor(&flow.name, sink);
-    let fence = match (followed_log(flow)?, following) {
+    let fence = match (crate::fence::followed_log(flow, target).await?, following) {
         (Some(dir), Some(following)) => Some(
             crate::fence::take(
                 flow,
@@ -720,18 +710,20 @@ struct Stamp {
     catalog: Option<String>,
 }
 
-/// What a DDL of `qualified` changes, as `client`'s snapshot sees it: its
-/// pg_class row's xmin and file and its columns' xmins (None: no table).
+/// What a DDL of `qualified` changes, as `client`'s snapshot sees it: the
+/// pg_class row's xmin and file and the columns' xmins of the table and of
+/// each of its partitions (None: no table).
 pub(crate) async fn catalog_stamp(
     client: &Client,
     qualified: &str,
 ) -> Result<Option<String>, tokio_postgres::Error> {
     Ok(client
         .query_one(
-            "SELECT c.xmin::text || '/' || c.relfilenode::text || '/'
+            "WITH tree AS (SELECT to_regclass($1) AS relid UNION SELECT relid FROM pg_partition_tree(to_regclass($1)))
+             SELECT string_agg(c.oid::text || ':' || c.xmin::text || '/' || c.relfilenode::text || '/'
                     || (SELECT string_agg(a.xmin::text, ',' ORDER BY a.attnum)
-                        FROM pg_attribute a WHERE a.attrelid = c.oid)
-             FROM (SELECT to_regclass($1) AS oid) t LEFT JOIN pg_class c ON c.oid = t.oid",
+                        FROM pg_attribute a WHERE a.attrelid = c.oid), ';' ORDER BY c.oid)
+             FROM tree t JOIN pg_class c ON c.oid = t.relid",
             &[&qualified],
         )
         .await?

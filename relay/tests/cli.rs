@@ -521,3 +521,19 @@ fn a_flow_of_several_sinks_is_not_split_into_relay_and_apply_services() {
         "nothing written for a refused service"
     );
 }
+
+/// `--fence-timeout` bounds a one-table reseed's hold: without `--table`
+/// it would be ignored, so it is refused before the config is read.
+#[test]
+fn reseed_refuses_a_fence_timeout_without_a_table() {
+    let out = trellara(&[
+        "reseed",
+        "--config",
+        "/nonexistent.yml",
+        "--fence-timeout",
+        "5",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--table"), "{err}");
+}

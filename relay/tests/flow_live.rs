@@ -1300,12 +1300,7 @@ fn tables_join_and_leave_on_sighup_on(major: Major) {
         child.try_wait().expect("poll").is_none(),
         "SIGHUP never stops the process"
     );
-    let status = terminate(&mut child);
-    assert!(
-        status.success(),
-        "SIGTERM drains: {status}\n{}",
-        stderr.lock().unwrap()
-    );
+    stop_follower(&mut child, &stderr, major);
 }
 
 #[test]
@@ -1380,12 +1375,7 @@ fn a_transaction_open_across_a_table_join_loses_nothing_on(major: Major) {
                 .psql_value("SELECT v FROM public.extra WHERE id = 1")
                 == "w"
     });
-    let status = terminate(&mut child);
-    assert!(
-        status.success(),
-        "{major}: {status}\n{}",
-        stderr.lock().unwrap()
-    );
+    stop_follower(&mut child, &stderr, major);
     assert!(
         run_verify(d, "verify").contains("CONVERGED"),
         "{major}: the flow converges after the join"
@@ -3428,12 +3418,7 @@ fn a_following_flow_serves_its_endpoints_on(major: Major) {
     wait_until("applied from the old source", &|| {
         p.target.psql_value(orders) == "24"
     });
-    let status = terminate(&mut child);
-    assert!(
-        status.success(),
-        "SIGTERM drains: {status}\n{}",
-        stderr.lock().unwrap()
-    );
+    stop_follower(&mut child, &stderr, major);
 }
 
 /// A [`wait_until`] for a spawned process: a failure names the major and
@@ -3572,8 +3557,7 @@ fn an_idle_flow_keeps_no_foreign_wal_on(major: Major) {
         metric(&metrics, "trellara_captured_transactions_total"),
         0.0
     );
-    let status = terminate(&mut child);
-    assert!(status.success(), "{status}\n{}", stderr.lock().unwrap());
+    stop_follower(&mut child, &stderr, major);
 }
 
 /// SIGTERM to `child`, then its exit status.
@@ -3831,12 +3815,7 @@ fn two_sinks_share_one_slot_on(major: Major) {
         the_slot,
         "{major}: the one slot, never replaced, no seed slot left"
     );
-    let status = terminate(&mut child);
-    assert!(
-        status.success(),
-        "{major}: SIGTERM drains: {status}\n{}",
-        stderr.lock().unwrap()
-    );
+    stop_follower(&mut child, &stderr, major);
 
     // Each sink has its own verify, status and reseed.
     let verdicts: serde_json::Value = serde_json::from_str(&ok(
@@ -4110,6 +4089,28 @@ fn live_load(cluster: &Cluster, first: i64, stop: Arc<AtomicBool>) -> std::threa
     })
 }
 
+/// Asserts that `verify --format json` with `extra` converged (exit 0);
+/// its verdict.
+fn converged(d: &Path, major: Major, extra: &[&str]) -> serde_json::Value {
+    let (code, v, err) = verdict(d, extra);
+    assert_eq!(
+        (code, v["result"].as_str()),
+        (Some(0), Some("CONVERGED")),
+        "{major}:\n{v:#}\n{err}"
+    );
+    v
+}
+
+/// Stops a follower with SIGTERM and asserts it drained cleanly.
+fn stop_follower(child: &mut std::process::Child, stderr: &std::sync::Mutex<String>, major: Major) {
+    let status = terminate(child);
+    assert!(
+        status.success(),
+        "{major}: {status}\n{}",
+        stderr.lock().unwrap()
+    );
+}
+
 /// The verdict of `verify --format json` (one flow, one sink).
 fn verdict(d: &Path, extra: &[&str]) -> (Option<i32>, serde_json::Value, String) {
     let mut args = vec!["verify", "--config", "trellara.yml", "--format", "json"];
@@ -4196,12 +4197,7 @@ fn a_following_flow_under_load_is_verified_at_a_fence_and_a_change_behind_it_is_
         "t",
         "{major}"
     );
-    let status = terminate(&mut child);
-    assert!(
-        status.success(),
-        "{major}: {status}\n{}",
-        stderr.lock().unwrap()
-    );
+    stop_follower(&mut child, &stderr, major);
     eprintln!("{major}: {committed} transactions committed under the 21 verifies");
 }
 
@@ -4258,18 +4254,8 @@ fn a_long_source_transaction_makes_the_fence_give_up_cleanly_on(major: Major) {
     wait("applied past the given-up fence", 60, &|| {
         p.target.psql_value("SELECT count(*) FROM public.orders") == "8"
     });
-    let (code, v, err) = verdict(d, &[]);
-    assert_eq!(
-        (code, v["result"].as_str()),
-        (Some(0), Some("CONVERGED")),
-        "{major}:\n{v:#}\n{err}"
-    );
-    let status = terminate(&mut child);
-    assert!(
-        status.success(),
-        "{major}: {status}\n{}",
-        stderr.lock().unwrap()
-    );
+    converged(d, major, &[]);
+    stop_follower(&mut child, &stderr, major);
 }
 
 /// A verify killed inside its fence holds the applier no longer: the
@@ -4348,18 +4334,8 @@ fn a_verify_killed_inside_its_fence_releases_the_apply_on(major: Major) {
         "trellara_shop",
         "{major}: only the flow's own slot"
     );
-    let (code, v, err) = verdict(d, &[]);
-    assert_eq!(
-        (code, v["result"].as_str()),
-        (Some(0), Some("CONVERGED")),
-        "{major}:\n{v:#}\n{err}"
-    );
-    let status = terminate(&mut child);
-    assert!(
-        status.success(),
-        "{major}: {status}\n{}",
-        stderr.lock().unwrap()
-    );
+    converged(d, major, &[]);
+    stop_follower(&mut child, &stderr, major);
 }
 
 /// A DDL that rewrites a flow table after the fence, before verify first
@@ -4627,6 +4603,21 @@ fn a_table_is_reseeded_under_load_and_no_reader_sees_half_a_transaction_on(major
         "{major}: {err}"
     );
     p.target.psql("DROP TABLE public.audit");
+    // A DELETE trigger would fire for every row the copy empties.
+    p.target.psql(
+        "CREATE FUNCTION public.noted() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN OLD; END $$;
+         CREATE TRIGGER noted BEFORE DELETE ON public.orders FOR EACH ROW EXECUTE FUNCTION public.noted()",
+    );
+    let refused = reseed(&[]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        refused.status.code() == Some(1)
+            && err.contains("has the DELETE trigger noted on the target")
+            && err.contains("ALTER TABLE public.orders DISABLE TRIGGER noted"),
+        "{major}: {err}"
+    );
+    p.target
+        .psql("DROP TRIGGER noted ON public.orders; DROP FUNCTION public.noted()");
     // Behind the flow's back: what the copy mends.
     p.target.psql(
         "UPDATE public.orders SET customer = 'behind its back' WHERE id = 3; DELETE FROM public.orders WHERE id = 4",
@@ -4746,23 +4737,13 @@ fn a_table_is_reseeded_under_load_and_no_reader_sees_half_a_transaction_on(major
         lines_before,
         "{major}: the other table's rows are untouched"
     );
-    let (code, v, err) = verdict(d, &["--table", "public.orders"]);
-    assert_eq!(
-        (code, v["result"].as_str()),
-        (Some(0), Some("CONVERGED")),
-        "{major}:\n{v:#}\n{err}"
-    );
+    converged(d, major, &["--table", "public.orders"]);
     assert_eq!(
         status_table(d, "public.orders")["state"],
         "verified",
         "{major}: verify promoted the table"
     );
-    let status = terminate(&mut child);
-    assert!(
-        status.success(),
-        "{major}: {status}\n{}",
-        stderr.lock().unwrap()
-    );
+    stop_follower(&mut child, &stderr, major);
     // Nothing follows: nothing to hold, refused.
     let refused = reseed(&[]);
     let err = String::from_utf8_lossy(&refused.stderr);

@@ -1173,11 +1173,9 @@ async fn flow_status(
     let snapshot = crate::state::runs::row(&target, &f.name).await?;
     let quarantine = crate::state::quarantine::open(&target, &f.name).await?;
     let last_verify = crate::state::verdicts::last(&target, &f.name).await?;
-    let tables = crate::state::runs::tables(&target, &f.name).await?;
     let mut v = json!({
         "flow": f.name,
-        // state and boundary_lsn null: the table's are the run's.
-        "tables": tables.iter().map(|t| json!({"table": t.name, "rows_copied": t.rows_copied, "copied_at": t.copied_at, "boundary_lsn": t.boundary.map(|b| b.to_string()), "state": t.state.map(|s| s.as_str())})).collect::<Vec<_>>(),
+        "tables": tables_json(&target, &f.name).await?,
         "checkpoint": checkpoint.map(|c| json!({"commit_lsn": c.commit_lsn.to_string(), "end_lsn": c.end_lsn.to_string(), "transactions": c.transactions, "duplicates_skipped": c.duplicates_skipped, "updated_at": c.updated_at})),
         "snapshot": snapshot.map(|s| json!({"state": s.run.state.as_str(), "consistent_lsn": s.run.consistent_lsn.map(|l| l.to_string()), "run_id": s.run.run_id, "reason": s.reason})),
         "quarantined": quarantine.iter().map(|q| json!({"commit_lsn": q.commit_lsn, "xid": q.xid, "reason": q.reason, "recovery": q.recovery, "attempts": q.attempts})).collect::<Vec<_>>(),
@@ -1206,6 +1204,38 @@ async fn flow_status(
         v["log"] = log_status(dir)?;
     }
     Ok(v)
+}
+
+/// The flow's copied tables as status shows them; state and boundary_lsn
+/// null: the table's are the run's. None from the state tables of an
+/// older build, which status leaves as they are.
+async fn tables_json(
+    target: &tokio_postgres::Client,
+    flow: &str,
+) -> anyhow::Result<serde_json::Value> {
+    if !crate::state::current(target).await? {
+        return Ok(serde_json::Value::Null);
+    }
+    let tables = crate::state::runs::tables(target, flow).await?;
+    Ok(tables
+        .iter()
+        .map(|t| json!({"table": t.name, "rows_copied": t.rows_copied, "copied_at": t.copied_at, "boundary_lsn": t.boundary.map(|b| b.to_string()), "state": t.state.map(|s| s.as_str())}))
+        .collect())
+}
+
+/// Each table at a boundary of its own, the one line status gives it.
+fn print_tables(v: &serde_json::Value, indent: &str) {
+    for t in v["tables"].as_array().into_iter().flatten() {
+        if let Some(state) = t["state"].as_str() {
+            outln!(
+                "{indent}table       {} {state}, copied at its own boundary {} ({} rows, {})",
+                t["table"].as_str().unwrap_or(""),
+                t["boundary_lsn"].as_str().unwrap_or("-"),
+                t["rows_copied"],
+                t["copied_at"].as_str().unwrap_or("")
+            );
+        }
+    }
 }
 
 /// One sink after the first: its target's state, and whether its log
@@ -1240,6 +1270,7 @@ async fn sink_status(
         let last_verify = crate::state::verdicts::last(&target, &f.name).await?;
         Ok(json!({
             "never_ran": false,
+            "tables": tables_json(&target, &f.name).await?,
             "snapshot": snapshot.map(|s| json!({"state": s.run.state.as_str(), "consistent_lsn": s.run.consistent_lsn.map(|l| l.to_string())})),
             "checkpoint": checkpoint.map(|c| json!({"commit_lsn": c.commit_lsn.to_string(), "transactions": c.transactions, "duplicates_skipped": c.duplicates_skipped})),
             "quarantined": quarantined,
@@ -1295,6 +1326,7 @@ fn print_sink(sink: &serde_json::Value) {
         )
     };
     outln!("  sink {name:<6} {line}");
+    print_tables(sink, "    ");
     if sink["needs_copy"] == true {
         outln!(
             "    needs a copy: its log cursor is gone (a new log, or the sink held the log past transport.retention_mib); the next run copies it at a boundary of its own"
@@ -1344,17 +1376,7 @@ fn print_status(config_path: &str, v: &serde_json::Value) {
         v["snapshot"]["state"].as_str().unwrap_or("none")
     );
     // Only a table at a boundary of its own has a state apart from the run's.
-    for t in v["tables"].as_array().into_iter().flatten() {
-        if let Some(state) = t["state"].as_str() {
-            outln!(
-                "  table       {} {state}, copied at its own boundary {} ({} rows, {})",
-                t["table"].as_str().unwrap_or(""),
-                t["boundary_lsn"].as_str().unwrap_or("-"),
-                t["rows_copied"],
-                t["copied_at"].as_str().unwrap_or("")
-            );
-        }
-    }
+    print_tables(v, "  ");
     if v["checkpoint"].is_null() {
         outln!("  applied     nothing yet (no checkpoint: the first run has not handed off)");
     } else {
@@ -1503,7 +1525,7 @@ pub struct ReseedArgs {
     /// With --table: seconds reaching the hold may take (the temporary
     /// slot waits for running source transactions); the copy itself takes
     /// what the table's size needs.
-    #[arg(long, default_value_t = crate::fence::DEFAULT_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
+    #[arg(long, requires = "table", default_value_t = crate::fence::DEFAULT_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
     fence_timeout: u64,
     /// End with `verify` and its exit status.
     #[arg(long)]
@@ -1614,7 +1636,6 @@ fn reseed_table(args: &ReseedArgs, table: &str) -> anyhow::Result<ExitCode> {
                     let source = flow::connect(&source_url, "source").await?;
                     let target = flow::connect(&target_url, "target").await?;
                     flow::refuse_same_database(&source, &target, &config_path).await?;
-                    crate::state::ensure(&target).await?;
                     let cursor = crate::apply::sink_cursor(&f.name, sink.name);
                     anyhow::Ok(
                         crate::reseed::table(
@@ -1633,8 +1654,12 @@ fn reseed_table(args: &ReseedArgs, table: &str) -> anyhow::Result<ExitCode> {
                     None => format!("reseed {table} of flow {}", f.name),
                 })?;
             progress(&format!(
-                "reseed {table}: copied {} rows at its own boundary {}; the apply was held {} ms (the copy {} ms); `trellara verify --table {table}` promotes it",
-                reseeded.rows, reseeded.boundary_lsn, reseeded.apply_held_ms, reseeded.copy_ms
+                "reseed {table}: copied {} rows at its own boundary {}; the apply was held {} ms (the copy {} ms); `trellara verify --config {config_path} --flow {} --table {table}` promotes it",
+                reseeded.rows,
+                reseeded.boundary_lsn,
+                reseeded.apply_held_ms,
+                reseeded.copy_ms,
+                f.name
             ));
             done.push(reseeded);
         }
@@ -1869,6 +1894,15 @@ pub fn repair_plan(args: StatusArgs) -> anyhow::Result<ExitCode> {
                     steps.push(json!({"flow": name, "blocked": "the snapshot run is failed_recoverable", "commands": [format!("trellara reseed --config {path} --flow {name} --verify")]}));
                 } else if !streaming {
                     steps.push(json!({"flow": name, "blocked": format!("the snapshot run stopped at {}", s.state.as_str()), "commands": [format!("trellara run --config {path} --flow {name} --local")]}));
+                }
+            }
+            if streaming && crate::state::current(&target).await? {
+                for t in crate::state::runs::tables(&target, name).await? {
+                    if t.state == Some(crate::state::SnapshotState::FailedRecoverable) {
+                        let table = &t.name;
+                        steps.push(json!({"flow": name, "blocked": format!("table {table}, copied at a boundary of its own, differs from the source (its last verify)"),
+                            "commands": [format!("trellara reseed --config {path} --flow {name} --table {table} --verify (while the flow follows)")]}));
+                    }
                 }
             }
             let slot = slot_state(f, &source_url).await;

@@ -199,6 +199,15 @@ const ADDED_COLUMNS: [(&str, &str); 4] = [
 /// run opens with this, and the DDL batch took 6-7 ms even when it changed
 /// nothing; nor does a role without the right to create need it then.
 pub async fn ensure(client: &Client) -> Result<(), tokio_postgres::Error> {
+    if current(client).await? {
+        return Ok(());
+    }
+    client.batch_execute(SCHEMA).await
+}
+
+/// Whether the target's state schema has every table and column this
+/// build uses (readers of an older one leave the newer columns alone).
+pub async fn current(client: &Client) -> Result<bool, tokio_postgres::Error> {
     let tables: Vec<&str> = TABLES.to_vec();
     let (added_tables, added_columns): (Vec<&str>, Vec<&str>) = ADDED_COLUMNS.into_iter().unzip();
     let current: bool = client
@@ -212,10 +221,7 @@ pub async fn ensure(client: &Client) -> Result<(), tokio_postgres::Error> {
         )
         .await?
         .get(0);
-    if current {
-        return Ok(());
-    }
-    client.batch_execute(SCHEMA).await
+    Ok(current)
 }
 
 /// Why a flow stopped, as [`record_stop`] wrote it.
@@ -385,6 +391,23 @@ pub async fn lock_flow(
             )
         },
     )))
+}
+
+/// Whether another session holds the flow's apply lock on this target: an
+/// applier is at work (a `run`, or the apply service, from any host).
+pub async fn applying(client: &Client, flow: &str) -> Result<bool, tokio_postgres::Error> {
+    let (name, _) = lock_names(flow, Role::Apply).remove(0);
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks l
+             WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted AND l.pid <> pg_backend_pid()
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND l.classid::int8 = (hashtext('trellara.flow')::int8 & 4294967295)
+               AND l.objid::int8 = (hashtext($1)::int8 & 4294967295))",
+            &[&name],
+        )
+        .await?
+        .get(0))
 }
 
 /// A target session of its own that holds a flow's locks for as long as
