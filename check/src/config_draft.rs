@@ -91,6 +91,7 @@ pub fn draft(report: &Report, tables: &[String]) -> Result<String, DraftError> {
                 log_dir: format!("./.trellara/{flow}/log").into(),
                 retention_mib: config::DEFAULT_RETENTION_MIB,
             },
+            schema: config::SchemaPolicy::default(),
             name: flow,
         }],
         service: ServiceConfig::default(),

@@ -107,6 +107,80 @@ pub struct Flow {
     pub capture: CapturePath,
     #[serde(default)]
     pub transport: Transport,
+    /// How source schema changes are classified and applied
+    /// (docs/SCHEMA.md).
+    #[serde(default, skip_serializing_if = "SchemaPolicy::is_default")]
+    pub schema: SchemaPolicy,
+}
+
+/// A flow's schema contract settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchemaPolicy {
+    /// How a compatible change is decided.
+    #[serde(default)]
+    pub apply_mode: ApplyMode,
+    /// What a table that appears in a publication the flow covers, but
+    /// that flows[].tables does not list, becomes.
+    #[serde(default)]
+    pub unknown_table_policy: UnknownTablePolicy,
+    /// Renames the operator vouches for: `schema.table.column: new_column`
+    /// or `schema.table: schema.new_table`.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub rename: std::collections::BTreeMap<String, String>,
+}
+
+impl SchemaPolicy {
+    fn is_default(&self) -> bool {
+        *self == SchemaPolicy::default()
+    }
+}
+
+/// How a compatible schema change is decided; a mode only ever makes a
+/// decision more careful (docs/SCHEMA.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApplyMode {
+    /// Applied on each sink with its first rows under the new schema.
+    #[default]
+    Auto,
+    /// Applied on each sink first; the rows after it released once every
+    /// sink acknowledged.
+    Staged,
+    /// Held for the operator's review.
+    Manual,
+}
+
+impl ApplyMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApplyMode::Auto => "auto",
+            ApplyMode::Staged => "staged",
+            ApplyMode::Manual => "manual",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownTablePolicy {
+    /// Not replicated: its rows reach no sink (as before schema contracts).
+    #[default]
+    Ignore,
+    /// Created on each sink from the source catalog, then replicated.
+    AllowCompatible,
+    /// Held for the operator's review.
+    Block,
+}
+
+impl UnknownTablePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UnknownTablePolicy::Ignore => "ignore",
+            UnknownTablePolicy::AllowCompatible => "allow_compatible",
+            UnknownTablePolicy::Block => "block",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -671,8 +745,55 @@ pub fn validate(config: &Config) -> Vec<ConfigIssue> {
         flow_names(i, flow, &mut issues);
         flow_tables(i, flow, &mut issues);
         flow_transport(i, flow, &mut shared, &mut issues);
+        flow_renames(i, flow, &mut issues);
     }
     issues.0
+}
+
+/// Each `schema.rename` entry names one of the flow's tables (or a column
+/// of one) and a new name of the same shape.
+fn flow_renames(i: usize, flow: &Flow, issues: &mut Issues) {
+    for (from, to) in &flow.schema.rename {
+        let field = format!("flows[{i}].schema.rename.{from}");
+        let table = flow.tables.iter().find(|t| {
+            from == *t
+                || from
+                    .strip_prefix(t.as_str())
+                    .is_some_and(|c| c.len() > 1 && c.starts_with('.'))
+        });
+        let Some(table) = table else {
+            issues.add(
+                field,
+                "names none of the flow's tables (nor a column of one)".into(),
+                "key a rename by schema.table or schema.table.column as flows[].tables spells the table",
+            );
+            continue;
+        };
+        let is_table = from == table;
+        let fits = if is_table {
+            crate::table_name::TableName::parse(to).is_ok()
+        } else {
+            !to.is_empty() && !to.contains('.')
+        };
+        if !fits {
+            issues.add(
+                field,
+                format!(
+                    "maps to {to:?}, which is not a new {}",
+                    if is_table {
+                        "schema.table"
+                    } else {
+                        "column name"
+                    }
+                ),
+                if is_table {
+                    "map a table to its new schema.table"
+                } else {
+                    "map a column to its new name alone"
+                },
+            );
+        }
+    }
 }
 
 /// What [`validate`] found, in the order it found it.
@@ -1136,6 +1257,25 @@ flows:
             !format!("{:?}", f.source.url).contains("postgres@"),
             "debug output redacts the URL"
         );
+    }
+
+    #[test]
+    fn a_rename_must_name_a_flow_table_and_a_new_name_of_its_shape() {
+        let with = |rename: &str| {
+            let text = format!("{GOOD}    schema: {{rename: {{{rename}}}}}\n");
+            let issues = validate(&parse(&text).expect("parses"));
+            issues
+                .iter()
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        assert_eq!(
+            with("public.orders.cust: customer, public.orders: public.sales"),
+            ""
+        );
+        assert!(with("public.other.a: b").contains("names none of the flow's tables"));
+        assert!(with("public.orders.cust: x.y").contains("not a new column name"));
     }
 
     #[test]

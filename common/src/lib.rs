@@ -7,11 +7,14 @@
 //! names as SQL spells them ([`table_name`]), replication slot names
 //! ([`slot_name`]), one transaction's changes spooled and cut into
 //! envelopes by both capture paths ([`spool`]), whether a server's error may pass on a retry
-//! ([`retry`]), and the one way a failure prints with its causes
+//! ([`retry`]), schema contracts: how a schema change is classified and
+//! propagated ([`ddl`]), and the one way a failure prints with its causes
 //! ([`errors`]).
 
 #[cfg(feature = "config")]
 pub mod config;
+#[cfg(all(feature = "config", feature = "envelope"))]
+pub mod ddl;
 #[cfg(feature = "envelope")]
 pub mod envelope;
 pub mod errors;

@@ -537,3 +537,97 @@ fn reseed_refuses_a_fence_timeout_without_a_table() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--table"), "{err}");
 }
+
+/// `schema ddl-plan` prints a change's contract from the config alone
+/// (its URLs name a host that does not exist and are never resolved):
+/// the flow's mode unless `--apply-mode` says otherwise, a rename held
+/// until its mapping, a drop blocked with its fixes; bad input refused
+/// with the form to use. `schema accept` says it is not built.
+#[test]
+fn schema_ddl_plan_prints_the_contract_and_touches_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(
+        dir.path().join("trellara.yml"),
+        "schema_version: 2\nflows:\n  - name: shop\n    source: {url_env: NOT_SET_SOURCE}\n    sinks:\n      - {name: main, target: {url: postgresql://u@nowhere.invalid/t}}\n      - {name: lake, target: {url: postgresql://u@nowhere.invalid/l}}\n    tables: [public.orders]\n    schema: {apply_mode: staged}\n",
+    )
+    .expect("config");
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["schema", "ddl-plan", "--format", "json"];
+        args.extend(extra);
+        let out = trellara_in(dir.path(), &args, &[]);
+        let json: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+        (
+            out.status.code(),
+            json,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, c, err) = plan(&["--change", "add_nullable_column:public.orders.note"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        (&c["compatibility"], &c["decision"], &c["apply_mode"]),
+        (
+            &"compatible".into(),
+            &"stage-then-apply".into(),
+            &"staged".into()
+        ),
+        "{c:#}"
+    );
+    assert_eq!(c["affected_sinks"], serde_json::json!(["main", "lake"]));
+    assert_eq!(c["acknowledgement"].as_array().map(Vec::len), Some(2));
+    assert!(
+        c["barrier_id"]
+            .as_str()
+            .is_some_and(|b| b.starts_with("ddl-"))
+    );
+    let (_, auto, _) = plan(&[
+        "--change",
+        "add_nullable_column:public.orders.note",
+        "--apply-mode",
+        "auto",
+    ]);
+    assert_eq!(auto["decision"], "auto-apply");
+    assert_eq!(auto["barrier_id"], c["barrier_id"]);
+    let (_, rename, _) = plan(&["--change", "rename_column:public.orders.cust"]);
+    assert_eq!(
+        (&rename["compatibility"], &rename["decision"]),
+        (&"requires-mapping".into(), &"manual-review".into())
+    );
+    let (_, drop, _) = plan(&["--change", "drop_column:public.orders.note"]);
+    assert_eq!(drop["decision"], "block");
+    assert!(
+        drop["fix"].as_array().is_some_and(|f| f.iter().any(|x| x
+            .as_str()
+            .is_some_and(|x| x.contains("reseed --flow shop --table public.orders")))),
+        "{drop:#}"
+    );
+    let text = trellara_in(
+        dir.path(),
+        &[
+            "schema",
+            "ddl-plan",
+            "--change",
+            "widen_type:public.orders.total",
+        ],
+        &[],
+    );
+    let out = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        out.contains("decision           stage-then-apply") && out.contains("nothing was touched"),
+        "{out}"
+    );
+    let (code, _, err) = plan(&["--change", "add_column:public.orders.note"]);
+    assert!(
+        code == Some(1) && err.contains("add_nullable_column"),
+        "{err}"
+    );
+    let (code, _, err) = plan(&["--change", "drop_column:public.orders"]);
+    assert!(
+        code == Some(1) && err.contains("drop_column:public.orders.COLUMN"),
+        "{err}"
+    );
+    let accept = trellara_in(dir.path(), &["schema", "accept", "--flow", "shop"], &[]);
+    assert_eq!(accept.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&accept.stderr).contains("is not built yet"));
+}

@@ -242,6 +242,7 @@ pub fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
                 log_dir: PathBuf::from(format!("./.trellara/{stem}/{}/log", args.flow)),
                 retention_mib: config::DEFAULT_RETENTION_MIB,
             },
+            schema: config::SchemaPolicy::default(),
         }],
     };
     let issues = config::validate(&config);

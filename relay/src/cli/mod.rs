@@ -26,6 +26,7 @@ mod config;
 mod flow;
 mod log;
 mod relay;
+mod schema;
 mod semantics;
 mod teardown;
 
@@ -116,6 +117,9 @@ pub enum Command {
     /// Stream position tools (locate-local).
     #[command(hide = true)]
     Stream(flow::StreamArgs),
+    /// Schema contracts: the plan of a schema change (ddl-plan).
+    #[command(hide = true)]
+    Schema(schema::SchemaArgs),
     /// Observe the target while a flow applies: was anything half-applied?
     #[command(hide = true)]
     Semantics(semantics::SemanticsArgs),
@@ -274,8 +278,14 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Stream(args) => return flow::stream(args),
         Command::Teardown(args) => return teardown::run(args),
         Command::Semantics(args) => return semantics::run(args),
+        Command::Schema(args) => return schema::run(args),
     };
-    anyhow::bail!(
+    Err(not_built(name, issue))
+}
+
+/// A command that has not landed: refused, naming the issue that builds it.
+fn not_built(name: &str, issue: &str) -> anyhow::Error {
+    anyhow::anyhow!(
         "`trellara {name}` is not built yet; it arrives with {issue}.\n\
          hint: see docs/CLI.md for what is built"
     )
