@@ -25,6 +25,8 @@
 //! The contract is computed from the config alone: planning touches no
 //! database.
 
+pub mod diff;
+
 use crate::config::{ApplyMode, Flow, UnknownTablePolicy};
 use crate::envelope::DdlKind;
 use serde::Serialize;
@@ -360,10 +362,7 @@ pub fn plan(flow: &Flow, change: &Change, mode: Option<ApplyMode>) -> Contract {
         Some(c) => format!("{}.{c}", change.table),
         None => change.table.clone(),
     };
-    let barrier_id = format!(
-        "ddl-{:016x}",
-        xxhash_rust::xxh3::xxh3_64(format!("{}\0{kind}\0{target}", flow.name).as_bytes())
-    );
+    let barrier_id = barrier_id(&flow.name, change);
     // A table the flow does not replicate reaches no sink, so its change
     // holds none; only a new one's arrival is the policy's to decide.
     let policy_decides = change.kind == DdlKind::AddTable
@@ -472,6 +471,20 @@ pub fn plan(flow: &Flow, change: &Change, mode: Option<ApplyMode>) -> Contract {
         visibility_pause: pause,
         fix,
     }
+}
+
+/// The barrier id of `change` on flow `flow`: stable for the flow, kind,
+/// table and column (a live change's barrier adds `@` and its commit LSN).
+pub fn barrier_id(flow: &str, change: &Change) -> String {
+    let kind = kind_name(change.kind);
+    let target = match &change.column {
+        Some(c) => format!("{}.{c}", change.table),
+        None => change.table.clone(),
+    };
+    format!(
+        "ddl-{:016x}",
+        xxhash_rust::xxh3::xxh3_64(format!("{flow}\0{kind}\0{target}").as_bytes())
+    )
 }
 
 /// The target-side statement a change stands for, in outline.

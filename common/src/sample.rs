@@ -173,6 +173,7 @@ pub fn mixed_transaction() -> Envelope {
             statement: "ALTER TABLE public.sales ADD COLUMN region text".into(),
             fingerprint_before: sales_relation().fingerprint,
             fingerprint_after: 0x0123_4567_89ab_cdef,
+            ..DdlEvent::default()
         }),
         change::Body::Message(LogicalMessage {
             prefix: "app.audit".into(),

@@ -28,7 +28,12 @@
 //! * Schema is pinned: the first fingerprint seen for a relation (or the one
 //!   given at start) is kept; a Relation message with another fingerprint
 //!   stops capture with [`AssemblyError::SchemaDrift`] naming the relation
-//!   and both fingerprints, before any row under the new schema is assembled.
+//!   and both fingerprints, before any row under the new schema is assembled,
+//!   unless the caller saw the [`Drift`] first and [`accept`](Assembler::accept)ed
+//!   it with its DDL events, which then precede the new version's rows in
+//!   the change order. A relation id seen under another name is drift too.
+//! * Each version of a relation in one transaction is its own schema in the
+//!   envelopes: two versions never share one.
 //! * A row for a relation whose metadata never arrived fails closed.
 
 use crate::pgoutput::{self, Column, Message, OldKind};
@@ -36,7 +41,7 @@ use prost::Message as _;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use trellara_common::envelope::{
-    self, BeforeImage, Boundary, Capture, Change, ColumnSchema, Envelope, LogicalMessage,
+    self, BeforeImage, Boundary, Capture, Change, ColumnSchema, DdlEvent, Envelope, LogicalMessage,
     Operation, PROTOCOL_VERSION, RelationSchema, ReplicaIdentity, RowChange, SourceIdentity, Value,
     boundary, capture, change, value,
 };
@@ -58,6 +63,33 @@ pub struct AssemblerConfig {
     pub spill_dir: PathBuf,
     /// Fingerprints pinned before capture started, by `namespace.name`.
     pub pinned: HashMap<String, u64>,
+    /// The whole descriptions pinned before capture started, where known
+    /// (a drift from one of these can be diffed), by `namespace.name`.
+    pub schemas: HashMap<String, RelationSchema>,
+}
+
+/// A Relation message whose description is not the pinned one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Drift {
+    /// `namespace.name` as pinned (a renamed table's old name).
+    pub relation: String,
+    pub pinned_fingerprint: u64,
+    /// The pinned description, when known.
+    pub pinned: Option<RelationSchema>,
+    /// The description the source sends now.
+    pub now: RelationSchema,
+    /// The subtransaction the Relation message came in (a stream block).
+    pub xid: Option<u32>,
+}
+
+/// What an accepted drift replaced, put back if its subtransaction aborts.
+#[derive(Debug)]
+struct Repin {
+    at: Mark,
+    relation_id: u32,
+    relation: Option<RelationSchema>,
+    /// Each name it touched: its pinned fingerprint and description before.
+    names: Vec<(String, Option<u64>, Option<RelationSchema>)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -118,11 +150,15 @@ struct Txn {
     /// Its changes, planned into chunks as they come: at commit each chunk
     /// is framed from the spooled bytes as they are.
     spool: Spool,
-    /// Schema of every relation a change refers to, as of its first use,
+    /// Schema of every relation version a change refers to, by its key,
     /// and its encoded length.
     relations: BTreeMap<u32, (RelationSchema, usize)>,
+    /// The key of each `(relation id, fingerprint)` version used.
+    versions: HashMap<(u32, u64), u32>,
     /// Where each subtransaction's first change starts (streamed only).
     subxacts: HashMap<u32, Mark>,
+    /// Drifts accepted inside it, in order.
+    repins: Vec<Repin>,
 }
 
 impl Txn {
@@ -137,7 +173,9 @@ impl Txn {
                 config.chunk_bytes,
             ),
             relations: BTreeMap::new(),
+            versions: HashMap::new(),
             subxacts: HashMap::new(),
+            repins: Vec::new(),
         }
     }
 }
@@ -169,6 +207,8 @@ pub struct Assembler {
     config: AssemblerConfig,
     relations: HashMap<u32, RelationSchema>,
     pinned: HashMap<String, u64>,
+    /// Whole pinned descriptions, by `namespace.name`.
+    schemas: HashMap<String, RelationSchema>,
     open: Open,
     streams: HashMap<u32, Txn>,
     finishing: Option<Finishing>,
@@ -178,10 +218,12 @@ pub struct Assembler {
 impl Assembler {
     pub fn new(config: AssemblerConfig) -> Self {
         let pinned = config.pinned.clone();
+        let schemas = config.schemas.clone();
         Assembler {
             config,
             relations: HashMap::new(),
             pinned,
+            schemas,
             open: Open::None,
             streams: HashMap::new(),
             finishing: None,
@@ -196,6 +238,93 @@ impl Assembler {
     /// Pinned fingerprints, by `namespace.name`.
     pub fn pinned(&self) -> &HashMap<String, u64> {
         &self.pinned
+    }
+
+    /// Whole pinned descriptions, by `namespace.name`.
+    pub fn schemas(&self) -> &HashMap<String, RelationSchema> {
+        &self.schemas
+    }
+
+    /// The drift `rel` would stop capture with, if any: its fingerprint is
+    /// not its name's pinned one, or its relation id is pinned under
+    /// another name.
+    pub fn drift(&self, rel: &pgoutput::Relation) -> Option<Drift> {
+        let now = schema_of(rel);
+        let qualified = TableName::new(&now.namespace, &now.name).to_string();
+        match self.pinned.get(&qualified) {
+            Some(&pinned) if pinned != now.fingerprint => Some(Drift {
+                relation: qualified.clone(),
+                pinned_fingerprint: pinned,
+                pinned: self
+                    .schemas
+                    .get(&qualified)
+                    .filter(|s| s.fingerprint == pinned)
+                    .cloned(),
+                now,
+                xid: rel.xid,
+            }),
+            Some(_) => None,
+            None => self
+                .schemas
+                .iter()
+                .find(|(_, s)| s.relation_id == now.relation_id)
+                .map(|(name, s)| Drift {
+                    relation: name.clone(),
+                    pinned_fingerprint: s.fingerprint,
+                    pinned: Some(s.clone()),
+                    now,
+                    xid: rel.xid,
+                }),
+        }
+    }
+
+    /// Takes `drift` as the relation's new pinned description, with the
+    /// DDL `events` that explain it: they join the open transaction here,
+    /// ahead of every row under the new description.
+    pub fn accept(&mut self, drift: Drift, events: Vec<DdlEvent>) -> Result<(), AssemblyError> {
+        let now = drift.now;
+        let qualified = TableName::new(&now.namespace, &now.name).to_string();
+        let mut names = vec![qualified.clone()];
+        if drift.relation != qualified {
+            names.push(drift.relation.clone());
+        }
+        let repin = Repin {
+            at: Mark::default(),
+            relation_id: now.relation_id,
+            relation: self.relations.get(&now.relation_id).cloned(),
+            names: names
+                .into_iter()
+                .map(|n| {
+                    let (p, s) = (self.pinned.get(&n).copied(), self.schemas.get(&n).cloned());
+                    (n, p, s)
+                })
+                .collect(),
+        };
+        let txn = self.current().ok_or(AssemblyError::OutsideTransaction {
+            message: "Relation",
+        })?;
+        if let Some(sub) = drift.xid {
+            let mark = txn.spool.mark();
+            txn.subxacts.entry(sub).or_insert(mark);
+        }
+        let at = txn.spool.mark();
+        txn.repins.push(Repin { at, ..repin });
+        if drift.relation != qualified {
+            self.pinned.remove(&drift.relation);
+            self.schemas.remove(&drift.relation);
+        }
+        for event in events {
+            self.push(
+                change::Body::Ddl(event),
+                Some(now.clone()),
+                drift.xid,
+                "Relation",
+            )?;
+        }
+        self.pinned.insert(qualified.clone(), now.fingerprint);
+        self.schemas.insert(qualified, now.clone());
+        self.relations.insert(now.relation_id, now);
+        Ok(())
     }
 
     /// True between Begin and Commit or Stream Start and Stream Stop, or
@@ -285,10 +414,24 @@ impl Assembler {
             Message::StreamAbort(abort) => {
                 self.stats.aborted_streams += 1;
                 if abort.xid == abort.subxid {
-                    self.streams.remove(&abort.xid);
+                    if let Some(txn) = self.streams.remove(&abort.xid) {
+                        self.unpin(txn.repins);
+                    }
                 } else if let Some(txn) = self.streams.get_mut(&abort.xid)
                     && let Some(mark) = txn.subxacts.get(&abort.subxid).copied()
                 {
+                    // Schema changes go back with the subtransaction that
+                    // made them: later rows are described as before it.
+                    let keep = txn
+                        .repins
+                        .iter()
+                        .take_while(|r| r.at.bytes < mark.bytes)
+                        .count();
+                    let undone = txn.repins.split_off(keep);
+                    self.unpin(undone);
+                    let Some(txn) = self.streams.get_mut(&abort.xid) else {
+                        return Ok(());
+                    };
                     txn.spool
                         .truncate(mark)
                         .map_err(|source| AssemblyError::Spill {
@@ -393,51 +536,41 @@ impl Assembler {
     }
 
     fn relation(&mut self, rel: pgoutput::Relation) -> Result<(), AssemblyError> {
-        let namespace = if rel.namespace.is_empty() {
-            "pg_catalog".to_owned()
-        } else {
-            rel.namespace
-        };
-        let replica_identity = match rel.replica_identity {
-            b'd' => ReplicaIdentity::Default,
-            b'n' => ReplicaIdentity::Nothing,
-            b'f' => ReplicaIdentity::Full,
-            _ => ReplicaIdentity::Index,
-        };
-        let mut schema = RelationSchema {
-            relation_id: rel.oid,
-            namespace,
-            name: rel.name,
-            replica_identity: replica_identity as i32,
-            columns: rel
-                .columns
-                .into_iter()
-                .map(|c| ColumnSchema {
-                    name: c.name,
-                    type_oid: c.type_oid,
-                    type_modifier: c.type_modifier,
-                    key: c.key,
-                })
-                .collect(),
-            fingerprint: 0,
-        };
-        schema.fingerprint = fingerprint(&schema);
-        let qualified = TableName::new(&schema.namespace, &schema.name).to_string();
-        match self.pinned.get(&qualified) {
-            Some(&pinned) if pinned != schema.fingerprint => {
-                return Err(AssemblyError::SchemaDrift {
-                    relation: qualified,
-                    pinned,
-                    found: schema.fingerprint,
-                });
-            }
-            Some(_) => {}
-            None => {
-                self.pinned.insert(qualified, schema.fingerprint);
-            }
+        if let Some(drift) = self.drift(&rel) {
+            return Err(AssemblyError::SchemaDrift {
+                relation: drift.relation,
+                pinned: drift.pinned_fingerprint,
+                found: drift.now.fingerprint,
+            });
         }
+        let schema = schema_of(&rel);
+        let qualified = TableName::new(&schema.namespace, &schema.name).to_string();
+        self.pinned
+            .entry(qualified.clone())
+            .or_insert(schema.fingerprint);
+        self.schemas.insert(qualified, schema.clone());
         self.relations.insert(schema.relation_id, schema);
         Ok(())
+    }
+
+    /// Puts back what `repins` replaced, latest first.
+    fn unpin(&mut self, repins: Vec<Repin>) {
+        for repin in repins.into_iter().rev() {
+            match repin.relation {
+                Some(r) => self.relations.insert(repin.relation_id, r),
+                None => self.relations.remove(&repin.relation_id),
+            };
+            for (name, pinned, schema) in repin.names {
+                match pinned {
+                    Some(p) => self.pinned.insert(name.clone(), p),
+                    None => self.pinned.remove(&name),
+                };
+                match schema {
+                    Some(s) => self.schemas.insert(name, s),
+                    None => self.schemas.remove(&name),
+                };
+            }
+        }
     }
 
     fn relation_for(
@@ -516,32 +649,33 @@ impl Assembler {
             sequence: txn.spool.records(),
             body: Some(body),
         };
-        if let Some(relation) = relation {
-            txn.relations
-                .entry(relation.relation_id)
-                .or_insert_with(|| {
-                    let len = relation.encoded_len();
-                    (relation, len)
-                });
-        }
-        // Against the schema its envelope will carry: the relation's as of
-        // its first use in this transaction.
+        // Each version of a relation is its own key: the spool never puts
+        // two in one chunk, so every envelope carries the one its rows use.
+        let used = relation.map(|relation| {
+            let next = u32::try_from(txn.versions.len()).unwrap_or(u32::MAX);
+            let key = *txn
+                .versions
+                .entry((relation.relation_id, relation.fingerprint))
+                .or_insert(next);
+            let (schema, len) = txn.relations.entry(key).or_insert_with(|| {
+                let len = relation.encoded_len();
+                (relation, len)
+            });
+            (
+                RelationUse {
+                    key,
+                    id: schema.relation_id,
+                    encoded_len: *len,
+                },
+                schema.columns.len(),
+            )
+        });
+        // Against the schema its envelope will carry.
         envelope::validate_change(&change, |id| {
-            txn.relations.get(&id).map(|(r, _)| r.columns.len())
+            used.filter(|(u, _)| u.id == id).map(|(_, width)| width)
         })
         .map_err(|source| AssemblyError::Invalid { xid, source })?;
-        let row_relation = match &change.body {
-            Some(change::Body::Row(row)) => {
-                txn.relations
-                    .get(&row.relation_id)
-                    .map(|(r, len)| RelationUse {
-                        key: r.relation_id,
-                        id: r.relation_id,
-                        encoded_len: *len,
-                    })
-            }
-            _ => None,
-        };
+        let row_relation = used.map(|(u, _)| u);
         let encoded = change.encode_to_vec();
         let was_spilled = txn.spool.is_spilled();
         txn.spool
@@ -745,4 +879,38 @@ pub enum AssembleOrSink<E> {
     Assembly(#[from] AssemblyError),
     #[error("publishing the envelope failed")]
     Sink(#[source] E),
+}
+
+/// The envelope's description of a Relation message, fingerprinted.
+pub fn schema_of(rel: &pgoutput::Relation) -> RelationSchema {
+    let namespace = if rel.namespace.is_empty() {
+        "pg_catalog".to_owned()
+    } else {
+        rel.namespace.clone()
+    };
+    let replica_identity = match rel.replica_identity {
+        b'd' => ReplicaIdentity::Default,
+        b'n' => ReplicaIdentity::Nothing,
+        b'f' => ReplicaIdentity::Full,
+        _ => ReplicaIdentity::Index,
+    };
+    let mut schema = RelationSchema {
+        relation_id: rel.oid,
+        namespace,
+        name: rel.name.clone(),
+        replica_identity: replica_identity as i32,
+        columns: rel
+            .columns
+            .iter()
+            .map(|c| ColumnSchema {
+                name: c.name.clone(),
+                type_oid: c.type_oid,
+                type_modifier: c.type_modifier,
+                key: c.key,
+            })
+            .collect(),
+        fingerprint: 0,
+    };
+    schema.fingerprint = fingerprint(&schema);
+    schema
 }

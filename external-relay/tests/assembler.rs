@@ -7,7 +7,7 @@ use bytes::Bytes;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use trellara_common::envelope::{
-    self, BeforeImage, Envelope, EnvelopeError, Operation, SourceIdentity, boundary, change, value,
+    self, BeforeImage, Envelope, Operation, SourceIdentity, boundary, change, value,
 };
 use trellara_external_relay::pgoutput::{
     Begin, Column, Commit, Delete, Insert, LogicalMessage, Message, OldKind, Origin, Relation,
@@ -32,6 +32,7 @@ fn config(dir: &std::path::Path) -> AssemblerConfig {
         chunk_bytes: 1 << 20,
         spill_dir: dir.to_path_buf(),
         pinned: HashMap::new(),
+        schemas: HashMap::new(),
     }
 }
 
@@ -535,11 +536,10 @@ fn schema_drift_stops_capture_naming_both_fingerprints() {
     ));
 }
 
-/// A relation renamed and widened inside a transaction (pinned afresh under
-/// its new name, so no drift is seen): its wider rows do not fit the schema
-/// the envelope carries, and assembly stops instead of framing them.
+/// A relation renamed inside a transaction is drift (its id is pinned
+/// under its old name), not a fresh pin its rows could slip through under.
 #[test]
-fn rows_that_do_not_fit_the_transactions_schema_stop_assembly() {
+fn a_renamed_relation_is_drift_naming_its_old_name() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut asm = Assembler::new(config(dir.path()));
     let err = run(
@@ -549,24 +549,188 @@ fn rows_that_do_not_fit_the_transactions_schema_stop_assembly() {
             begin(42, 0xA000),
             insert(None, "1"),
             relation(16385, "sales_renamed", true),
+        ],
+    )
+    .expect_err("refused");
+    assert!(
+        matches!(&err, AssemblyError::SchemaDrift { relation, .. } if relation == "public.sales"),
+        "{err}"
+    );
+}
+
+/// Rows wider than the description they arrive under stop assembly.
+#[test]
+fn rows_that_do_not_fit_their_relation_stop_assembly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut asm = Assembler::new(config(dir.path()));
+    let err = run(
+        &mut asm,
+        vec![
+            relation(16385, "sales", false),
+            begin(42, 0xA000),
             Message::Insert(Insert {
                 xid: None,
                 relation: 16385,
                 new: vec![t("2"), t("n"), t("x")],
             }),
-            commit(0xA000),
         ],
     )
     .expect_err("refused");
     assert!(
         matches!(
             err,
-            AssemblyError::Invalid {
-                xid: 42,
-                source: EnvelopeError::ImageWidth { .. }
+            AssemblyError::TupleWidth {
+                expected: 2,
+                found: 3,
+                ..
             }
         ),
         "{err}"
+    );
+}
+
+fn added_column(relation_id: u32) -> envelope::DdlEvent {
+    envelope::DdlEvent {
+        kind: envelope::DdlKind::AddNullableColumn as i32,
+        relation_id,
+        command_tag: "ALTER TABLE".into(),
+        statement: "ALTER TABLE public.sales ADD COLUMN extra text".into(),
+        column: "extra".into(),
+        type_name: "text".into(),
+        type_modifier: -1,
+        ..envelope::DdlEvent::default()
+    }
+}
+
+/// Feeds `messages`; a drifted Relation message is accepted with `event`
+/// instead of being handled, as capture does with a change it explained.
+fn run_accepting(
+    asm: &mut Assembler,
+    messages: Vec<Message>,
+) -> Result<Vec<Envelope>, AssemblyError> {
+    let mut out = Vec::new();
+    for m in messages {
+        if let Message::Relation(rel) = &m
+            && let Some(drift) = asm.drift(rel)
+        {
+            let id = drift.now.relation_id;
+            asm.accept(drift, vec![added_column(id)])?;
+            continue;
+        }
+        out.extend(run(asm, vec![m])?);
+    }
+    Ok(out)
+}
+
+fn insert3(xid: Option<u32>, id: &str) -> Message {
+    Message::Insert(Insert {
+        xid,
+        relation: 16385,
+        new: vec![t(id), t("n"), t("x")],
+    })
+}
+
+#[test]
+fn an_accepted_change_precedes_the_rows_under_it_in_an_envelope_of_their_own() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut asm = Assembler::new(config(dir.path()));
+    let out = run_accepting(
+        &mut asm,
+        vec![
+            relation(16385, "sales", false),
+            begin(42, 0xA000),
+            insert(None, "1"),
+            relation(16385, "sales", true),
+            insert3(None, "2"),
+            commit(0xA000),
+            begin(43, 0xB000),
+            insert3(None, "3"),
+            commit(0xB000),
+        ],
+    )
+    .expect("assembles");
+    // Two versions of one relation never share an envelope: the first
+    // transaction is two chunks, the change leading the second.
+    assert_eq!(out.len(), 3, "{out:?}");
+    assert_eq!(out[0].relations[0].columns.len(), 2);
+    assert_eq!(ids(&out[0]), ["1"]);
+    assert_eq!(out[1].relations[0].columns.len(), 3);
+    assert!(
+        matches!(&out[1].changes[0].body, Some(change::Body::Ddl(d)) if d.column == "extra"),
+        "{:?}",
+        out[1].changes
+    );
+    assert_eq!(ids(&out[1]), ["2"]);
+    assert_eq!(ids(&out[2]), ["3"]);
+    let pinned = asm.pinned()["public.sales"];
+    assert_eq!(pinned, out[1].relations[0].fingerprint, "re-pinned");
+    assert_eq!(asm.schemas()["public.sales"].columns.len(), 3);
+}
+
+#[test]
+fn a_change_in_an_aborted_subtransaction_goes_back_with_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut asm = Assembler::new(config(dir.path()));
+    let narrow = asm.pinned().get("public.sales").copied();
+    assert_eq!(narrow, None);
+    let with_xid = |m: Message, xid: u32| match m {
+        Message::Relation(mut r) => {
+            r.xid = Some(xid);
+            Message::Relation(r)
+        }
+        other => other,
+    };
+    let out = run_accepting(
+        &mut asm,
+        vec![
+            relation(16385, "sales", false),
+            Message::StreamStart(StreamStart {
+                xid: 900,
+                first_segment: true,
+            }),
+            insert(Some(900), "top"),
+            with_xid(relation(16385, "sales", true), 901),
+            insert3(Some(901), "sub"),
+            Message::StreamStop,
+            // ROLLBACK TO the savepoint before the ALTER.
+            Message::StreamAbort(StreamAbort {
+                xid: 900,
+                subxid: 901,
+            }),
+            Message::StreamStart(StreamStart {
+                xid: 900,
+                first_segment: false,
+            }),
+            // No fresh description: the rows are as wide as before.
+            insert(Some(900), "after"),
+            Message::StreamStop,
+            Message::StreamCommit(StreamCommit {
+                xid: 900,
+                flags: 0,
+                commit_lsn: 0x9000,
+                end_lsn: 0x9028,
+                commit_time: 6,
+            }),
+        ],
+    )
+    .expect("assembles");
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(ids(&out[0]), ["top", "after"]);
+    assert!(
+        out[0]
+            .changes
+            .iter()
+            .all(|c| matches!(c.body, Some(change::Body::Row(_)))),
+        "the rolled-back change is gone with its rows"
+    );
+    assert_eq!(
+        asm.schemas()["public.sales"].columns.len(),
+        2,
+        "pin restored"
+    );
+    assert_eq!(
+        asm.pinned()["public.sales"],
+        out[0].relations[0].fingerprint
     );
 }
 

@@ -28,6 +28,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use trellara_common::Lsn;
 use trellara_common::envelope::{self, SourceIdentity};
+use trellara_common::table_name::TableName;
 use trellara_external_relay::pgoutput::{self, DecodeContext, Message, ProtoVersion};
 use trellara_external_relay::pgwire::{
     ConnectOptions, Connection, ReplicationEvent, ReplicationStream, WireError,
@@ -71,6 +72,8 @@ pub struct CaptureConfig {
     pub status_interval: Duration,
     pub max_backoff: Duration,
     pub pinned: HashMap<String, u64>,
+    /// The whole descriptions behind `pinned`, where known.
+    pub schemas: HashMap<String, envelope::RelationSchema>,
     /// The position a consumer downstream already holds (the applier's
     /// checkpoint end LSN); with an empty or replaced log, a slot confirmed
     /// past both it and the log is a gap, not a fresh start.
@@ -88,6 +91,9 @@ pub struct CaptureConfig {
     /// session reconnects once when the stream reaches it (see
     /// [`CaptureError::Rejoin`]).
     pub rejoin_at: Option<Lsn>,
+    /// The flow whose schema contract decides a drifted relation's changes
+    /// ([`crate::contract`]); `None`: every drift stops capture.
+    pub ddl: Option<std::sync::Arc<trellara_common::config::Flow>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -153,6 +159,8 @@ pub enum CaptureError {
     /// them), and their changes to the joined tables are in the copy.
     #[error("the stream reached the join boundary {at}; its session starts again there")]
     Rejoin { at: Lsn },
+    #[error("{0}")]
+    SchemaHeld(crate::contract::Held),
 }
 
 impl CaptureError {
@@ -456,6 +464,11 @@ async fn session(
         chunk_bytes: config.chunk_bytes,
         spill_dir: config.log_dir.join("spill-capture"),
         pinned: pinned(config, log)?,
+        schemas: {
+            let mut schemas = config.schemas.clone();
+            schemas.extend(pinned_schemas(log)?);
+            schemas
+        },
     });
     let stopped_cleanly = stream_changes(
         config,
@@ -479,6 +492,8 @@ async fn session(
 
 /// The log metadata holding pinned relation fingerprints.
 const PINS: &str = "capture-pins";
+/// The log metadata holding the whole pinned descriptions.
+const SCHEMAS: &str = "capture-schemas";
 
 /// The fingerprints capture holds relations to: the configured ones and
 /// every one pinned while filling this log (`namespace.name fingerprint`
@@ -505,15 +520,56 @@ pub(crate) fn pinned<S: Storage>(
         };
         pins.entry(name.to_owned()).or_insert(fingerprint);
     }
+    // A description stored here was pinned by this log's capture, which a
+    // target only ever applies after it: a change accepted here wins over
+    // the target's older pin.
+    for (name, schema) in pinned_schemas(log)? {
+        pins.insert(name, schema.fingerprint);
+    }
     Ok(pins)
 }
 
-fn store_pins<S: Storage>(log: &Log<S>, pins: &HashMap<String, u64>) -> Result<(), CaptureError> {
-    let mut lines: Vec<String> = pins
+/// The whole descriptions pinned while filling this log, by
+/// `namespace.name`: what a later drift is diffed against.
+pub(crate) fn pinned_schemas<S: Storage>(
+    log: &Log<S>,
+) -> Result<HashMap<String, envelope::RelationSchema>, CaptureError> {
+    use prost::Message as _;
+    let Some(bytes) = log.read_meta(SCHEMAS)? else {
+        return Ok(HashMap::new());
+    };
+    let mut rest = bytes.as_slice();
+    let mut schemas = HashMap::new();
+    while !rest.is_empty() {
+        let schema = envelope::RelationSchema::decode_length_delimited(&mut rest).map_err(|e| {
+            CaptureError::Config(format!(
+                "{}/meta/{SCHEMAS}: unreadable ({e})\nhint: the file holds the pinned relation descriptions; restore it or reseed the flow",
+                log.dir().display()
+            ))
+        })?;
+        let name = TableName::new(&schema.namespace, &schema.name).to_string();
+        schemas.insert(name, schema);
+    }
+    Ok(schemas)
+}
+
+fn store_pins<S: Storage>(log: &Log<S>, assembler: &Assembler) -> Result<(), CaptureError> {
+    use prost::Message as _;
+    let mut lines: Vec<String> = assembler
+        .pinned()
         .iter()
         .map(|(name, fingerprint)| format!("{name} {fingerprint:016x}\n"))
         .collect();
     lines.sort();
+    let mut schemas: Vec<_> = assembler.schemas().iter().collect();
+    schemas.sort_by(|a, b| a.0.cmp(b.0));
+    let mut bytes = Vec::new();
+    for (_, schema) in schemas {
+        schema
+            .encode_length_delimited(&mut bytes)
+            .map_err(|e| CaptureError::Config(format!("encoding pinned descriptions: {e}")))?;
+    }
+    log.write_meta(SCHEMAS, &bytes)?;
     log.write_meta(PINS, lines.concat().as_bytes())?;
     Ok(())
 }
@@ -602,6 +658,11 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
     let result = async {
     let mut in_stream_block = false;
     let mut pins_stored = pinned(config, log)?.len();
+    let mut catalog = crate::contract::SourceCatalog::new(&config.source);
+    // A description re-pinned by an accepted change is stored once what
+    // carries the change is durable: stored before, a crash would replay
+    // the change's transaction with no drift left to see.
+    let mut repinned = false;
     // The fsync in flight: the written end it covers, and its wait.
     type Syncing<'a> = (
         u64,
@@ -711,15 +772,26 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                 batch: &mut *batch,
                 resume,
                 stats,
+                catalog: &mut catalog,
+                repinned: &mut repinned,
             };
             let relation = matches!(&ev, ReplicationEvent::XLogData { data, .. } if data.first() == Some(&b'R'));
             if let Err(e) = handle_event(ev, config, &mut state, log, stream, hooks).await {
                 return Err(batch.stop_at(e, log, stream, stats, hooks).await);
             }
-            if relation && assembler.pinned().len() > pins_stored {
-                store_pins(log, assembler.pinned())?;
+            if relation && assembler.pinned().len() > pins_stored && !repinned {
+                store_pins(log, assembler)?;
                 pins_stored = assembler.pinned().len();
             }
+        }
+        if repinned
+            && !assembler.in_transaction()
+            && batch.records.is_empty()
+            && batch.written.is_empty()
+        {
+            store_pins(log, assembler)?;
+            pins_stored = assembler.pinned().len();
+            repinned = false;
         }
         // The walsender pings after each transaction it sends while the
         // acknowledged position is behind: advancing (an fsync wait and a
@@ -1001,18 +1073,21 @@ fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), CaptureError> 
 }
 
 /// A session's state between events.
-struct Session<'a> {
+struct Session<'a, 'c> {
     assembler: &'a mut Assembler,
     in_stream_block: &'a mut bool,
     batch: &'a mut Batch,
     resume: Resume,
     stats: &'a mut CaptureStats,
+    catalog: &'a mut crate::contract::SourceCatalog<'c>,
+    /// An accepted change re-pinned a description not stored yet.
+    repinned: &'a mut bool,
 }
 
 async fn handle_event<S: Storage>(
     event: ReplicationEvent,
     config: &CaptureConfig,
-    state: &mut Session<'_>,
+    state: &mut Session<'_, '_>,
     log: &Log<S>,
     stream: &mut impl SourceStream,
     hooks: &dyn CrashHooks,
@@ -1023,6 +1098,8 @@ async fn handle_event<S: Storage>(
         batch,
         resume,
         stats,
+        catalog,
+        repinned,
     } = state;
     match event {
         ReplicationEvent::XLogData { start, data, .. } => {
@@ -1055,6 +1132,32 @@ async fn handle_event<S: Storage>(
                 Message::StreamStart(_) => **in_stream_block = true,
                 Message::StreamStop => **in_stream_block = false,
                 _ => {}
+            }
+            if let (Message::Relation(rel), Some(flow)) = (&message, &config.ddl)
+                && let Some(drift) = assembler.drift(rel)
+            {
+                // Everything before the change goes out first: nothing
+                // waits on the catalog read but the change's transaction.
+                while assembler
+                    .emit_next(&mut |env: Assembled| {
+                        batch.take(env, *resume, log, stream, stats, hooks)
+                    })
+                    .map_err(|e| match e {
+                        AssembleOrSink::Assembly(e) => e.into(),
+                        AssembleOrSink::Sink(e) => e,
+                    })?
+                {}
+                match crate::contract::explain(flow, &drift, &mut **catalog).await? {
+                    Ok(events) => {
+                        for event in &events {
+                            tracing::info!(flow = %flow.name, relation = %drift.relation, change = %event.statement, "schema change accepted: it goes to the log ahead of the rows under it");
+                        }
+                        assembler.accept(drift, events)?;
+                        **repinned = true;
+                        return Ok(());
+                    }
+                    Err(held) => return Err(CaptureError::SchemaHeld(held)),
+                }
             }
             let mut emit = |env: Assembled| batch.take(env, *resume, log, stream, stats, hooks);
             match assembler.handle(message, start.0, &mut emit) {
@@ -1173,11 +1276,13 @@ mod tests {
             status_interval: Duration::from_secs(10),
             max_backoff: Duration::from_secs(1),
             pinned: HashMap::new(),
+            schemas: HashMap::new(),
             floor: Lsn::ZERO,
             progress: None,
             begun: None,
             observe: None,
             rejoin_at: None,
+            ddl: None,
         };
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()

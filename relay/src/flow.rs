@@ -727,14 +727,25 @@ pub async fn connect(url: &str, side: &'static str) -> Result<Client, FlowError>
 }
 
 /// The fingerprints the flow's snapshot copied its tables at (the tables'
-/// `namespace.name`), for capture to pin.
-async fn snapshot_pins(target: &Client, flow: &str) -> Result<HashMap<String, u64>, FlowError> {
-    Ok(crate::state::runs::tables(target, flow)
-        .await?
+/// `namespace.name`), and the whole descriptions where kept, for capture
+/// to pin.
+async fn snapshot_pins(target: &Client, flow: &str) -> Result<Pins, FlowError> {
+    let tables = crate::state::runs::tables(target, flow).await?;
+    let schemas = tables
+        .iter()
+        .filter_map(|t| Some((t.name.clone(), t.schema.clone()?)))
+        .collect();
+    let fingerprints = tables
         .into_iter()
         .filter_map(|t| Some((t.name, t.fingerprint?)))
-        .collect())
+        .collect();
+    Ok((fingerprints, schemas))
 }
+
+type Pins = (
+    HashMap<String, u64>,
+    HashMap<String, trellara_common::envelope::RelationSchema>,
+);
 
 /// Source and target URLs of a flow, resolved from their references.
 pub fn urls(flow: &Flow, index: usize) -> Result<(String, String), FlowError> {
@@ -933,6 +944,9 @@ fn stop_of(
                 reseed,
             ],
         )),
+        FlowError::Capture(capture::CaptureError::SchemaHeld(held)) => {
+            Some(("schema_change", held.to_string(), held.fix.clone()))
+        }
         FlowError::Capture(
             err @ (capture::CaptureError::Invalidated { .. }
             | capture::CaptureError::SlotAhead { .. }
@@ -1553,8 +1567,8 @@ struct CaptureFrom<'a> {
     log_dir: &'a std::path::Path,
     /// The target checkpoint's end LSN.
     floor: Lsn,
-    /// The fingerprints the boundary copied the tables at.
-    pinned: HashMap<String, u64>,
+    /// The fingerprints (and descriptions) the boundary copied the tables at.
+    pinned: Pins,
     /// Where tables joined this round (external capture restarts its
     /// session there: [`crate::capture::CaptureError::Rejoin`]).
     rejoin_at: Option<Lsn>,
@@ -1595,12 +1609,14 @@ fn capture_config(
         chunk_bytes: TUNING.chunk_bytes,
         status_interval: TUNING.status_interval,
         max_backoff: TUNING.max_backoff,
-        pinned,
+        pinned: pinned.0,
+        schemas: pinned.1,
         floor,
         progress: Some(Arc::clone(progress)),
         begun: Some(Arc::clone(begun)),
         observe,
         rejoin_at,
+        ddl: Some(Arc::new(flow.clone())),
     })
 }
 

@@ -8,6 +8,7 @@
 pub mod apply;
 pub mod capture;
 pub mod cli;
+pub mod contract;
 pub use trellara_common::config;
 pub mod crash;
 pub mod errors;

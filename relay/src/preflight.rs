@@ -231,6 +231,19 @@ async fn target_tables(
     target: &Client,
 ) -> Result<Vec<Finding>, tokio_postgres::Error> {
     target.batch_execute("BEGIN READ ONLY").await?;
+    // A flow that copied its tables holds the target to the descriptions
+    // it pinned: a change on the source since is the stream's to carry
+    // (or to hold), not a mismatch to refuse the run for.
+    let pinned: std::collections::HashMap<String, trellara_common::envelope::RelationSchema> =
+        if crate::state::current(target).await? {
+            crate::state::runs::tables(target, &flow.name)
+                .await?
+                .into_iter()
+                .filter_map(|t| Some((t.name, t.schema?)))
+                .collect()
+        } else {
+            Default::default()
+        };
     let mut out = Vec::new();
     let columns = "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a
                    WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum";
@@ -255,16 +268,36 @@ async fn target_tables(
                 Some(format!("create {table} on the target with the source's columns (pg_dump --schema-only --table '{}' from the source)", table.replace('\'', "'\\''")))));
             continue;
         }
-        let problems: Vec<String> = want
-            .iter()
-            .filter_map(|(col, ty)| match have.iter().find(|(c, _)| c == col) {
-                None => Some(format!("missing column {col} {ty}")),
-                Some((_, t)) if t != ty => {
-                    Some(format!("column {col} is {t}, the source has {ty}"))
+        let pin = trellara_common::table_name::TableName::parse(table)
+            .ok()
+            .and_then(|t| pinned.get(&t.to_string()));
+        let mut problems = Vec::new();
+        for (col, ty) in &want {
+            let at_pin = pin.map(|p| p.columns.iter().find(|c| &c.name == col));
+            match (have.iter().find(|(c, _)| c == col), at_pin) {
+                // Added on the source after the pin.
+                (None, Some(None)) => {}
+                (None, _) => problems.push(format!("missing column {col} {ty}")),
+                (Some((_, t)), at_pin) if t != ty => {
+                    let pinned_type = match at_pin.flatten() {
+                        Some(c) => Some(
+                            source
+                                .query_one(
+                                    "SELECT format_type($1::int8::oid, $2)",
+                                    &[&i64::from(c.type_oid), &c.type_modifier],
+                                )
+                                .await?
+                                .get::<_, String>(0),
+                        ),
+                        None => None,
+                    };
+                    if pinned_type.as_ref() != Some(t) {
+                        problems.push(format!("column {col} is {t}, the source has {ty}"));
+                    }
                 }
-                _ => None,
-            })
-            .collect();
+                _ => {}
+            }
+        }
         out.push(finding(
             "target",
             &format!("table {table}"),

@@ -1233,15 +1233,18 @@ impl SnapshotIo for PgSnapshot<'_> {
     }
 }
 
-/// The fingerprint of `qualified` as pgoutput's Relation message describes
-/// it, read from the catalog inside the open snapshot transaction (catalog
+/// `qualified` as pgoutput's Relation message describes it, fingerprinted,
+/// read from the catalog inside the open snapshot transaction (catalog
 /// rows are MVCC, so this is the schema at the snapshot): published columns
 /// (not dropped, not generated) in order with type OID and modifier, the
 /// replica identity, and the key flag pgoutput sets (every column under
 /// FULL, the key columns - not INCLUDE ones - of an immediate, valid
 /// primary key under DEFAULT, of the identity index under INDEX).
-async fn fingerprint_at_snapshot(source: &Client, qualified: &str) -> Result<u64, SnapshotError> {
-    use trellara_common::envelope::{ColumnSchema, ReplicaIdentity};
+async fn schema_at_snapshot(
+    source: &Client,
+    qualified: &str,
+) -> Result<trellara_common::envelope::RelationSchema, SnapshotError> {
+    use trellara_common::envelope::{ColumnSchema, RelationSchema, ReplicaIdentity};
     let rows = source
         .query(
             "SELECT n.nspname::text, c.relname::text, c.relreplident::text, a.attname::text,
@@ -1250,7 +1253,8 @@ async fn fingerprint_at_snapshot(source: &Client, qualified: &str) -> Result<u64
                         WHEN 'f' THEN true
                         WHEN 'd' THEN coalesce(a.attnum = ANY ((pk.indkey::int2[])[0:pk.indnkeyatts - 1]), false)
                         WHEN 'i' THEN coalesce(a.attnum = ANY ((ri.indkey::int2[])[0:ri.indnkeyatts - 1]), false)
-                        ELSE false END
+                        ELSE false END,
+                    c.oid::int8
              FROM pg_class c
              JOIN pg_namespace n ON n.oid = c.relnamespace
              JOIN pg_attribute a ON a.attrelid = c.oid
@@ -1286,12 +1290,16 @@ async fn fingerprint_at_snapshot(source: &Client, qualified: &str) -> Result<u64
             key: r.get(6),
         })
         .collect();
-    Ok(trellara_common::fingerprint::fingerprint_parts(
-        &first.get::<_, String>(0),
-        &first.get::<_, String>(1),
-        identity as i32,
-        &columns,
-    ))
+    let mut schema = RelationSchema {
+        relation_id: u32::try_from(first.get::<_, i64>(7)).unwrap_or(0),
+        namespace: first.get(0),
+        name: first.get(1),
+        replica_identity: identity as i32,
+        columns,
+        fingerprint: 0,
+    };
+    schema.fingerprint = trellara_common::fingerprint::fingerprint(&schema);
+    Ok(schema)
 }
 
 /// Copies one table at the exported snapshot, inside the target
@@ -1397,8 +1405,8 @@ pub(crate) async fn copy_in_snapshot(
         // The schema the copy saw, as the stream will describe it: capture
         // pins it, so DDL between the boundary and the first streamed row
         // stops capture instead of being taken for the schema.
-        let pinned = fingerprint_at_snapshot(source, &qualified).await?;
-        crate::state::runs::record_table(target, flow, table, rows, pinned, boundary)
+        let pinned = schema_at_snapshot(source, &qualified).await?;
+        crate::state::runs::record_table(target, flow, table, rows, &pinned, boundary)
             .await
             .map_err(SnapshotError::Target)?;
         Ok(rows)

@@ -705,12 +705,15 @@ fn the_public_loop_over_kafka_converges() {
 }
 
 #[test]
-fn drift_between_the_snapshot_and_the_stream_stops_capture() {
+fn schema_changes_apply_with_their_rows_or_hold_naming_the_fix() {
     on_every_major(|major| {
         let Some(p) = pair(major) else {
             return;
         };
         let d = p.dir.path();
+        for side in [&p.source, &p.target] {
+            side.psql("ALTER TABLE public.line_items ADD COLUMN sku varchar(8)");
+        }
         workload(&p.source, 1, 5);
         ok(
             &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
@@ -718,39 +721,88 @@ fn drift_between_the_snapshot_and_the_stream_stops_capture() {
         );
         assert_eq!(
             p.target.psql_value(
-                "SELECT count(*) FROM trellara.snapshot_tables WHERE flow = 'shop' AND fingerprint IS NOT NULL"
+                "SELECT count(*) FROM trellara.snapshot_tables WHERE flow = 'shop' AND fingerprint IS NOT NULL AND pinned_schema IS NOT NULL"
             ),
             "2",
             "{major}: the copy pinned both tables"
         );
-        // Streamed rows under the copied schema pass its pin: the catalog's
-        // fingerprint is the one pgoutput's Relation message carries.
+        // DDL after the boundary, before any streamed row of the table: the
+        // first row under it carries the change. The target already owns
+        // `region` (a column of its own, same name and type).
+        p.target
+            .psql("ALTER TABLE public.orders ADD COLUMN region text");
+        p.source.psql(
+            "ALTER TABLE public.orders ADD COLUMN region text;
+             ALTER TABLE public.orders ADD COLUMN status text DEFAULT 'new';
+             ALTER TABLE public.line_items ALTER COLUMN qty TYPE bigint;
+             ALTER TABLE public.line_items ALTER COLUMN sku TYPE varchar(32);
+             BEGIN;
+             INSERT INTO public.orders VALUES (100, 'c', 0, 'eu', 'paid');
+             INSERT INTO public.line_items VALUES (100, 1, 1099511627776, 1, 'n', 'LONG-SKU-1234567890');
+             COMMIT;",
+        );
+        let out = run_verify(d, "run under the changed schema");
+        assert!(out.contains("CONVERGED"), "{major}: {out}");
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT string_agg(id || ':' || coalesce(region, '-') || ':' || status, ',' ORDER BY id) FROM public.orders WHERE id IN (1, 100)"
+            ),
+            "1:-:new,100:eu:paid",
+            "{major}: the rows before the column read the source's default"
+        );
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT string_agg(format_type(atttypid, atttypmod), ',' ORDER BY attname) FROM pg_attribute WHERE attrelid = 'public.line_items'::regclass AND attname IN ('qty', 'sku')"
+            ),
+            "bigint,character varying(32)",
+            "{major}"
+        );
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT string_agg(table_name || ' ' || kind || ' ' || outcome, ',' ORDER BY table_name, kind) FROM trellara.schema_changes WHERE flow = 'shop'"
+            ),
+            "public.line_items increase_varchar applied,public.line_items widen_type applied,public.orders add_nullable_column already_present,public.orders add_nullable_column applied",
+            "{major}: each sink acknowledged each change once"
+        );
+        // A rerun finds nothing to do again: the pins moved with the change.
         p.source
-            .psql("INSERT INTO public.line_items VALUES (1, 9, 1, 1, 'n')");
+            .psql("INSERT INTO public.orders VALUES (101, 'c', 0, 'us', 'paid')");
         ok(
             &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
-            "run under the pinned schema",
+            "run after the change",
         );
-        // DDL after the boundary, before any streamed row of the table, on
-        // both sides: the first row under it must stop capture, not become
-        // the pin.
-        for side in [&p.source, &p.target] {
-            side.psql("ALTER TABLE public.orders ADD COLUMN region text");
-        }
-        p.source
-            .psql("INSERT INTO public.orders VALUES (100, 'c', 0, 'eu')");
+        assert_eq!(
+            p.target
+                .psql_value("SELECT count(*) FROM trellara.schema_changes WHERE flow = 'shop'"),
+            "4"
+        );
+        // A destructive change holds before any row under it is logged.
+        p.source.psql(
+            "ALTER TABLE public.orders DROP COLUMN region;
+             INSERT INTO public.orders VALUES (102, 'c', 0, 'paid');",
+        );
         let out = trellara(d, &["run", "--config", "trellara.yml", "--local"]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{major}: {err}");
+        let err = fails(&out, 1);
         assert!(
-            err.contains("schema drift on public.orders"),
+            err.contains("schema change on public.orders held")
+                && err.contains("drop_column on public.orders.region: block"),
+            "{major}: {err}"
+        );
+        assert!(
+            err.contains("trellara reseed --flow shop --table public.orders"),
             "{major}: {err}"
         );
         assert_eq!(
             p.target
-                .psql_value("SELECT count(*) FROM public.orders WHERE id = 100"),
+                .psql_value("SELECT count(*) FROM public.orders WHERE id = 102"),
             "0",
             "{major}: no row under the new schema landed"
+        );
+        assert_eq!(
+            p.target
+                .psql_value("SELECT kind FROM trellara.flow_stops WHERE flow = 'shop'"),
+            "schema_change",
+            "{major}"
         );
     });
 }

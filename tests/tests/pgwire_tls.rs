@@ -220,11 +220,13 @@ fn tls_and_scram_on_a_real_server() {
         status_interval: Duration::from_millis(100),
         max_backoff: Duration::from_secs(1),
         pinned: Default::default(),
+        schemas: Default::default(),
         floor: Default::default(),
         progress: None,
         begun: None,
         observe: None,
         rejoin_at: None,
+        ddl: None,
     };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let handle = std::thread::spawn(move || {

@@ -91,11 +91,13 @@ fn config(cluster: &Cluster, dir: &Path) -> CaptureConfig {
         status_interval: Duration::from_millis(100),
         max_backoff: Duration::from_secs(1),
         pinned: HashMap::new(),
+        schemas: HashMap::new(),
         floor: Default::default(),
         progress: None,
         begun: None,
         observe: None,
         rejoin_at: None,
+        ddl: None,
     }
 }
 

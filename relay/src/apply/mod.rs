@@ -229,6 +229,15 @@ pub trait Target {
         row: &RowChange,
     ) -> Result<Option<u64>, Refusal>;
     async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError>;
+    /// Applies the schema change `ddl` to `relation` (its description
+    /// after the change) in the open transaction, ahead of its rows, and
+    /// records the sink's acknowledgement and the table's new pin there.
+    async fn apply_ddl(&mut self, change: &SchemaChange<'_>) -> Result<(), Refusal> {
+        Err(Refusal::Data(format!(
+            "{}: this target does not apply schema changes",
+            change.statement()
+        )))
+    }
     /// The tables `flow` copied, by name, each with its own boundary when
     /// it joined after the flow's; `None` when it has no copied tables to
     /// tell apart (a target that keeps no state, a log applied by hand).
@@ -237,6 +246,45 @@ pub trait Target {
         _flow: &str,
     ) -> Result<Option<HashMap<String, Option<Lsn>>>, Refusal> {
         Ok(None)
+    }
+}
+
+/// A schema change as the sink applies it.
+#[derive(Debug, Clone, Copy)]
+pub struct SchemaChange<'a> {
+    pub flow: &'a str,
+    pub commit_lsn: Lsn,
+    /// The relation's description after the change.
+    pub relation: &'a RelationSchema,
+    pub ddl: &'a envelope::DdlEvent,
+}
+
+impl SchemaChange<'_> {
+    pub fn table(&self) -> String {
+        TableName::new(&self.relation.namespace, &self.relation.name).to_string()
+    }
+
+    pub fn kind(&self) -> envelope::DdlKind {
+        envelope::DdlKind::try_from(self.ddl.kind).unwrap_or(envelope::DdlKind::Unspecified)
+    }
+
+    /// `ddl-…@LSN`: the contract's barrier id with the change's commit.
+    pub fn barrier_id(&self) -> String {
+        let change = trellara_common::ddl::Change {
+            kind: self.kind(),
+            table: self.table(),
+            column: (!self.ddl.column.is_empty()).then(|| self.ddl.column.clone()),
+        };
+        format!(
+            "{}@{}",
+            trellara_common::ddl::barrier_id(self.flow, &change),
+            self.commit_lsn
+        )
+    }
+
+    /// What the source's change amounts to, for people (never run).
+    pub fn statement(&self) -> &str {
+        &self.ddl.statement
     }
 }
 
@@ -1539,8 +1587,33 @@ impl<T: Target> Applier<T> {
     ) -> Result<(), Refusal> {
         let copied = self.in_joined_copy(env).await?;
         for ch in &env.changes {
-            let Some(change::Body::Row(row)) = &ch.body else {
-                continue;
+            let row = match &ch.body {
+                Some(change::Body::Row(row)) => row,
+                Some(change::Body::Ddl(ddl)) if !copied.contains(&ddl.relation_id) => {
+                    let relation = env
+                        .relations
+                        .iter()
+                        .find(|r| r.relation_id == ddl.relation_id)
+                        .ok_or_else(|| {
+                            Refusal::Data(format!(
+                                "schema change {} names relation {} without its description",
+                                ch.sequence, ddl.relation_id
+                            ))
+                        })?;
+                    // Whatever the table held before goes first, under the
+                    // old schema.
+                    self.flush(pending).await?;
+                    self.target
+                        .apply_ddl(&SchemaChange {
+                            flow: &self.flow,
+                            commit_lsn: Lsn(env.commit_lsn),
+                            relation,
+                            ddl,
+                        })
+                        .await?;
+                    continue;
+                }
+                _ => continue,
             };
             if copied.contains(&row.relation_id) {
                 continue;

@@ -15,7 +15,7 @@
 //! a durable one ([`Target::begin`]); the `SET LOCAL` rides in the `BEGIN`
 //! message, so it costs no round trip.
 
-use super::{Locked, QuarantineRecord, Refusal, Settle, Target, TargetError};
+use super::{Locked, QuarantineRecord, Refusal, SchemaChange, Settle, Target, TargetError};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
@@ -43,6 +43,12 @@ const COPY_ROWS: usize = 200;
 /// COPY data goes out in pieces of about this size, so the server parses
 /// one while the next is built.
 const COPY_PIECE: usize = 256 << 10;
+/// How long a schema change waits for its table's lock each time, and how
+/// many times: a long reader on the target is waited for, never queued
+/// behind forever (every later query on the table would queue behind the
+/// waiting ALTER). Past the last, the transaction is retried whole.
+const DDL_LOCK_TIMEOUT_MS: u64 = 2_000;
+const DDL_LOCK_ATTEMPTS: u32 = 5;
 /// A run of inserts holding this much text goes as COPY, which sends it
 /// in pieces: as bound parameters it would be copied whole into the
 /// session's buffers (twice its size, and more), however large.
@@ -443,6 +449,39 @@ impl PgTarget {
         Ok(table)
     }
 
+    /// Runs `alter` in the open transaction, each attempt under a lock
+    /// timeout inside a savepoint, so a timed-out one leaves the
+    /// transaction usable for the next.
+    async fn alter_waiting(&mut self, alter: &str) -> Result<(), Refusal> {
+        let mut attempt = 1;
+        loop {
+            let sql = format!(
+                "SAVEPOINT trellara_ddl; SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT_MS}ms'; {alter}; SET LOCAL lock_timeout TO DEFAULT; RELEASE SAVEPOINT trellara_ddl"
+            );
+            match self.client.batch_execute(&sql).await {
+                Ok(()) => return Ok(()),
+                Err(e)
+                    if attempt < DDL_LOCK_ATTEMPTS
+                        && e.code()
+                            == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+                {
+                    tracing::warn!(
+                        statement = alter,
+                        attempt,
+                        "schema change waits for its table's lock (a long reader on the target?)"
+                    );
+                    self.client
+                        .batch_execute("ROLLBACK TO SAVEPOINT trellara_ddl")
+                        .await?;
+                    tokio::time::sleep(std::time::Duration::from_millis(200 * u64::from(attempt)))
+                        .await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     async fn statement(&mut self, sql: String, params: usize) -> Result<Statement, Refusal> {
         if let Some(s) = self.statements.get(&sql) {
             return Ok(s.clone());
@@ -707,6 +746,127 @@ impl Target for PgTarget {
 
     async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError> {
         crate::state::quarantine::record(self.client.as_ref(), record).await?;
+        Ok(())
+    }
+
+    async fn apply_ddl(&mut self, change: &SchemaChange<'_>) -> Result<(), Refusal> {
+        use trellara_common::envelope::DdlKind;
+        self.open().await?;
+        let relation = change.relation;
+        let ddl = change.ddl;
+        let qualified = qualified(relation);
+        let column = quote_ident(&ddl.column);
+        // The type as this target names it: resolved in its own catalog,
+        // so nothing from the log is run as SQL.
+        let resolved = self
+            .client
+            .query_one(
+                "SELECT t::oid::int8, format_type(t, $2) FROM (SELECT to_regtype($1) AS t) r",
+                &[&ddl.type_name, &ddl.type_modifier],
+            )
+            .await?;
+        let (type_oid, type_sql): (Option<i64>, Option<String>) =
+            (resolved.get(0), resolved.get(1));
+        let (Some(type_oid), Some(type_sql)) = (type_oid, type_sql) else {
+            return Err(Refusal::Data(format!(
+                "{}: the target has no type {:?}\nhint: create the type on the target, then the change applies on the next retry",
+                change.statement(),
+                ddl.type_name
+            )));
+        };
+        let type_oid = u32::try_from(type_oid).unwrap_or(0);
+        let existing = self
+            .client
+            .query_opt(
+                "SELECT a.atttypid::int8, a.atttypmod, format_type(a.atttypid, a.atttypmod)
+                 FROM pg_attribute a
+                 WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped",
+                &[&qualified, &ddl.column],
+            )
+            .await?;
+        // Already there as the change leaves it (a target-owned column of
+        // the same name and type, or a replay): nothing to run.
+        let present = existing.as_ref().is_some_and(|row| {
+            u32::try_from(row.get::<_, i64>(0)).ok() == Some(type_oid)
+                && super::fits(type_oid, ddl.type_modifier, type_oid, row.get(1))
+        });
+        let alter = match change.kind() {
+            _ if present => None,
+            DdlKind::AddNullableColumn => {
+                if let Some(row) = &existing {
+                    return Err(Refusal::Data(format!(
+                        "{}: target table {qualified} already has a column {column} of type {}, not the source's {type_sql}\nhint: rename or retype the target's own column, then the change applies on the next retry",
+                        change.statement(),
+                        row.get::<_, String>(2)
+                    )));
+                }
+                let fill = match ddl.fill.as_ref().and_then(|v| v.kind.as_ref()) {
+                    Some(trellara_common::envelope::value::Kind::Text(v)) => format!(
+                        " DEFAULT {}::{type_sql}",
+                        postgres_protocol::escape::escape_literal(v)
+                    ),
+                    _ => String::new(),
+                };
+                Some(format!(
+                    "ALTER TABLE {qualified} ADD COLUMN {column} {type_sql}{fill}"
+                ))
+            }
+            DdlKind::WidenType | DdlKind::IncreaseVarchar => {
+                if existing.is_none() {
+                    return Err(Refusal::Data(super::missing_column(relation, &ddl.column)));
+                }
+                Some(format!(
+                    "ALTER TABLE {qualified} ALTER COLUMN {column} TYPE {type_sql}"
+                ))
+            }
+            other => {
+                return Err(Refusal::Data(format!(
+                    "{}: a {} change is not applied by a sink\nhint: apply it on the target yourself, then reseed the table",
+                    change.statement(),
+                    trellara_common::ddl::kind_name(other)
+                )));
+            }
+        };
+        if let Some(alter) = &alter {
+            self.alter_waiting(alter).await?;
+        }
+        // Cached descriptions and statements are of the old table.
+        self.tables.remove(&qualified);
+        self.statements.clear();
+        let table = change.table();
+        let kind = trellara_common::ddl::kind_name(change.kind());
+        let commit = change.commit_lsn.to_string();
+        let outcome = if alter.is_some() {
+            "applied"
+        } else {
+            "already_present"
+        };
+        let (before, after) = (ddl.fingerprint_before as i64, ddl.fingerprint_after as i64);
+        self.client
+            .execute(
+                crate::state::schema::ACKNOWLEDGE,
+                &[
+                    &change.flow,
+                    &change.barrier_id(),
+                    &table,
+                    &kind,
+                    &commit,
+                    &change.statement(),
+                    &before,
+                    &after,
+                    &outcome,
+                ],
+            )
+            .await?;
+        self.client
+            .execute(
+                crate::state::schema::REPIN,
+                &[&change.flow, &table, &after, &{
+                    use prost::Message as _;
+                    relation.encode_to_vec()
+                }],
+            )
+            .await?;
         Ok(())
     }
 

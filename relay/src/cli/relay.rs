@@ -124,11 +124,13 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
         status_interval: Duration::from_secs(1),
         max_backoff: Duration::from_secs(30),
         pinned: HashMap::new(),
+        schemas: HashMap::new(),
         floor: Default::default(),
         progress: None,
         begun: None,
         observe: None,
         rejoin_at: None,
+        ddl: None,
     };
     let stats = runtime.block_on(capture::run(config, crate::flow::until_signal()))?;
     errln!(

@@ -876,11 +876,13 @@ pub(super) fn config() -> CaptureConfig {
         status_interval: Duration::from_secs(10),
         max_backoff: Duration::from_secs(1),
         pinned: std::collections::HashMap::new(),
+        schemas: std::collections::HashMap::new(),
         floor: Lsn::ZERO,
         progress: None,
         begun: None,
         observe: None,
         rejoin_at: None,
+        ddl: None,
     }
 }
 
@@ -905,6 +907,7 @@ pub(super) fn assembler(
         chunk_bytes,
         spill_dir: std::env::temp_dir().join(spill),
         pinned,
+        schemas: std::collections::HashMap::new(),
     })
 }
 

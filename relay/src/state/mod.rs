@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod fence;
 pub mod quarantine;
 pub mod runs;
+pub mod schema;
 pub mod verdicts;
 
 use crate::service::Role;
@@ -25,9 +26,10 @@ fn lsn(l: tokio_postgres::types::PgLsn) -> trellara_common::Lsn {
 
 /// The state tables, each keyed by `flow` (teardown removes a flow's rows
 /// from each).
-pub const TABLES: [&str; 7] = [
+pub const TABLES: [&str; 8] = [
     "trellara.checkpoints",
     "trellara.flow_stops",
+    "trellara.schema_changes",
     "trellara.slot_claims",
     "trellara.snapshot_runs",
     "trellara.snapshot_tables",
@@ -106,6 +108,15 @@ DO $$ BEGIN
             CHECK (state IN ('stream_handoff_ready', 'verified', 'failed_recoverable'));
     END IF;
 END $$;
+-- The whole description the fingerprint was taken of (an encoded
+-- RelationSchema): what capture diffs a later change against.
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                   WHERE table_schema = 'trellara' AND table_name = 'snapshot_tables'
+                     AND column_name = 'pinned_schema') THEN
+        ALTER TABLE trellara.snapshot_tables ADD COLUMN pinned_schema bytea;
+    END IF;
+END $$;
 -- Where verify holds the applier (state::fence); NULL or without its
 -- holder's advisory lock: nowhere.
 DO $$ BEGIN
@@ -133,6 +144,22 @@ CREATE TABLE IF NOT EXISTS trellara.verify_runs (
 -- The slots this flow is about to create or has created on its source,
 -- written before the creation: a slot of the flow's name without a claim
 -- here is another flow's (a config elsewhere with the same flow name).
+-- Each schema change a sink applied (or found already applied), written
+-- in the transaction of its first rows under the new schema: the sink's
+-- acknowledgement of the change's barrier.
+CREATE TABLE IF NOT EXISTS trellara.schema_changes (
+    flow text NOT NULL,
+    barrier_id text NOT NULL,
+    table_name text NOT NULL,
+    kind text NOT NULL,
+    commit_lsn pg_lsn NOT NULL,
+    statement text NOT NULL,
+    fingerprint_before bigint NOT NULL,
+    fingerprint_after bigint NOT NULL,
+    outcome text NOT NULL CHECK (outcome IN ('applied', 'already_present')),
+    acknowledged_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (flow, barrier_id)
+);
 CREATE TABLE IF NOT EXISTS trellara.slot_claims (
     flow text NOT NULL,
     slot text NOT NULL,
@@ -187,8 +214,9 @@ pub async fn forget(client: &Client, flow: &str) -> Result<(), tokio_postgres::E
 
 /// The columns [`SCHEMA`] adds to a table an older build made, as
 /// (table, column).
-const ADDED_COLUMNS: [(&str, &str); 4] = [
+const ADDED_COLUMNS: [(&str, &str); 5] = [
     ("trellara.snapshot_tables", "fingerprint"),
+    ("trellara.snapshot_tables", "pinned_schema"),
     ("trellara.snapshot_tables", "boundary_lsn"),
     ("trellara.snapshot_tables", "state"),
     ("trellara.checkpoints", "fence_lsn"),

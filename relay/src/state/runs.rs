@@ -131,23 +131,25 @@ pub async fn record_table(
     flow: &str,
     table: &str,
     rows: u64,
-    fingerprint: u64,
+    schema: &trellara_common::envelope::RelationSchema,
     boundary: Option<Lsn>,
 ) -> Result<(), tokio_postgres::Error> {
+    use prost::Message as _;
     client
         .execute(
-            "INSERT INTO trellara.snapshot_tables (flow, run_id, table_name, rows_copied, fingerprint, boundary_lsn, state)
-             SELECT $1, run_id, $2, $3, $4, $5::text::pg_lsn, CASE WHEN $5 IS NOT NULL THEN 'stream_handoff_ready' END
+            "INSERT INTO trellara.snapshot_tables (flow, run_id, table_name, rows_copied, fingerprint, boundary_lsn, state, pinned_schema)
+             SELECT $1, run_id, $2, $3, $4, $5::text::pg_lsn, CASE WHEN $5 IS NOT NULL THEN 'stream_handoff_ready' END, $6
              FROM trellara.snapshot_runs WHERE flow = $1
              ON CONFLICT (flow, table_name) DO UPDATE SET rows_copied = EXCLUDED.rows_copied,
                 fingerprint = EXCLUDED.fingerprint, boundary_lsn = EXCLUDED.boundary_lsn,
-                state = EXCLUDED.state, copied_at = now()",
+                state = EXCLUDED.state, copied_at = now(), pinned_schema = EXCLUDED.pinned_schema",
             &[
                 &flow,
                 &table,
                 &(rows as i64),
-                &(fingerprint as i64),
+                &(schema.fingerprint as i64),
                 &boundary.map(|b| b.to_string()),
+                &schema.encode_to_vec(),
             ],
         )
         .await?;
@@ -172,10 +174,13 @@ pub async fn forget_table(
 
 /// A table the flow's current run copied, and the fingerprint it pinned
 /// (none for a row written before fingerprints were kept).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct CopiedTable {
     pub name: String,
     pub fingerprint: Option<u64>,
+    /// The whole description pinned with the fingerprint (none for a row
+    /// of an older build).
+    pub schema: Option<trellara_common::envelope::RelationSchema>,
     /// Its own boundary, when it was copied after the run's.
     pub boundary: Option<Lsn>,
     /// Its own snapshot state, when it has a boundary of its own.
@@ -192,7 +197,7 @@ pub async fn tables(
 ) -> Result<Vec<CopiedTable>, tokio_postgres::Error> {
     let rows = client
         .query(
-            "SELECT table_name, fingerprint, boundary_lsn, state, rows_copied, copied_at::text
+            "SELECT table_name, fingerprint, boundary_lsn, state, rows_copied, copied_at::text, pinned_schema
              FROM trellara.snapshot_tables WHERE flow = $1 ORDER BY table_name",
             &[&flow],
         )
@@ -202,6 +207,10 @@ pub async fn tables(
         .map(|r| CopiedTable {
             name: r.get(0),
             fingerprint: r.get::<_, Option<i64>>(1).map(|f| f as u64),
+            schema: r.get::<_, Option<&[u8]>>(6).and_then(|b| {
+                use prost::Message as _;
+                trellara_common::envelope::RelationSchema::decode(b).ok()
+            }),
             boundary: r.get::<_, Option<PgLsn>>(2).map(super::lsn),
             state: r.get::<_, Option<&str>>(3).and_then(SnapshotState::parse),
             rows_copied: r.get(4),

@@ -1,0 +1,336 @@
+//! Capture's half of a schema contract (docs/SCHEMA.md): a relation whose
+//! description drifted from its pin is diffed ([`ddl::diff`]), each
+//! difference classified and decided under the flow's `schema` config
+//! ([`ddl::plan`]), and, when every one of them is auto-apply, turned
+//! into the [`DdlEvent`]s that go into the log ahead of the table's rows
+//! under the new description. Anything else stops capture before any such
+//! row is logged, naming each change, its decision and the fix.
+//!
+//! Invariants:
+//! * An added column is read from the source catalog, never guessed from
+//!   the Relation message: a NOT NULL column is add_not_null_column, and
+//!   the value the rows before it read (a constant DEFAULT writes no WAL
+//!   for them) travels with the event, so the sink's old rows read it too.
+//!   A default the catalog cannot state as that value (a volatile one
+//!   rewrote the table) is held for review.
+//! * Only names and values leave the source: a sink resolves the type name
+//!   in its own catalog and builds its own statement; no SQL text from the
+//!   log is ever run.
+//! * A table the flow does not replicate is re-pinned and goes on: its
+//!   rows reach no sink.
+
+use crate::capture::CaptureError;
+use trellara_common::config::{ApplyMode, Flow};
+use trellara_common::ddl::{self, Change, Decision, diff::Detected};
+use trellara_common::envelope::{DdlEvent, DdlKind, RelationSchema, Value, value};
+use trellara_common::table_name::TableName;
+use trellara_external_relay::assembler::Drift;
+use trellara_external_relay::pgwire::{self, Connection};
+
+/// A schema change capture holds instead of logging: the changes, each
+/// with its decision, and what the operator does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub relation: String,
+    /// One line per change: `kind on table[.column]: decision (why)`.
+    pub changes: Vec<String>,
+    pub fix: Vec<String>,
+}
+
+impl std::fmt::Display for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "schema change on {} held before any row under it was logged:",
+            self.relation
+        )?;
+        for change in &self.changes {
+            write!(f, "\n  {change}")?;
+        }
+        for (i, fix) in self.fix.iter().enumerate() {
+            write!(f, "\n{}{fix}", if i == 0 { "hint: " } else { "  " })?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads the source catalog for what a Relation message cannot say.
+#[allow(async_fn_in_trait)] // one task; no Send bound needed
+pub trait Catalog {
+    /// The column `column` of relation `relation_id` with type `type_oid`;
+    /// `None` when it is not there (dropped or changed again since).
+    async fn added(
+        &mut self,
+        relation_id: u32,
+        column: &str,
+        type_oid: u32,
+    ) -> Result<Option<AddedColumn>, CaptureError>;
+    /// `format_type(type_oid, NULL)`.
+    async fn type_name(&mut self, type_oid: u32) -> Result<String, CaptureError>;
+}
+
+/// What the source catalog says of a column that appeared (see
+/// [`Catalog::added`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddedColumn {
+    pub not_null: bool,
+    pub type_name: String,
+    /// `Some(v)`: the column has a missing value, `v` (NULL: `None`).
+    pub fill: Option<Option<String>>,
+    pub has_default: bool,
+    pub array: bool,
+}
+
+/// The source catalog over a SQL session opened when first needed (a
+/// drift is rare: no session is held for it otherwise).
+pub struct SourceCatalog<'a> {
+    options: &'a pgwire::ConnectOptions,
+    session: Option<Connection>,
+}
+
+impl std::fmt::Debug for SourceCatalog<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceCatalog")
+            .field("open", &self.session.is_some())
+            .finish()
+    }
+}
+
+impl<'a> SourceCatalog<'a> {
+    pub fn new(options: &'a pgwire::ConnectOptions) -> Self {
+        SourceCatalog {
+            options,
+            session: None,
+        }
+    }
+
+    async fn query(&mut self, sql: &str) -> Result<Vec<pgwire::Row>, CaptureError> {
+        let session = match &mut self.session {
+            Some(s) => s,
+            None => self
+                .session
+                .insert(Connection::connect(self.options).await?),
+        };
+        match session.simple_query(sql).await {
+            Ok(rows) => Ok(rows),
+            Err(e) => {
+                self.session = None;
+                Err(e.into())
+            }
+        }
+    }
+}
+
+impl Catalog for SourceCatalog<'_> {
+    async fn added(
+        &mut self,
+        relation_id: u32,
+        column: &str,
+        type_oid: u32,
+    ) -> Result<Option<AddedColumn>, CaptureError> {
+        let sql = format!(
+            "SELECT a.attnotnull::text AS not_null, format_type(a.atttypid, NULL) AS type_name,
+                    a.atthasmissing::text AS has_missing,
+                    CASE WHEN a.atthasmissing THEN ((a.attmissingval::text)::text[])[1] END AS fill,
+                    (d.oid IS NOT NULL)::text AS has_default, (t.typcategory = 'A')::text AS array
+             FROM pg_catalog.pg_attribute a
+             JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
+             LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+             WHERE a.attrelid = {relation_id}::oid AND a.attname = {} AND a.atttypid = {type_oid}::oid
+               AND a.attnum > 0 AND NOT a.attisdropped",
+            postgres_protocol::escape::escape_literal(column)
+        );
+        let rows = self.query(&sql).await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let flag = |name: &str| row.get(name) == Some("true");
+        Ok(Some(AddedColumn {
+            not_null: flag("not_null"),
+            type_name: row.get("type_name").unwrap_or_default().to_owned(),
+            fill: flag("has_missing").then(|| row.get("fill").map(str::to_owned)),
+            has_default: flag("has_default"),
+            array: flag("array"),
+        }))
+    }
+
+    async fn type_name(&mut self, type_oid: u32) -> Result<String, CaptureError> {
+        let rows = self
+            .query(&format!(
+                "SELECT format_type({type_oid}::oid, NULL) AS type_name"
+            ))
+            .await?;
+        Ok(rows
+            .first()
+            .and_then(|r| r.get("type_name"))
+            .unwrap_or_default()
+            .to_owned())
+    }
+}
+
+/// The DDL events that explain `drift` on `flow`, when each of its
+/// changes is auto-apply; otherwise what holds it.
+pub async fn explain<C: Catalog>(
+    flow: &Flow,
+    drift: &Drift,
+    catalog: &mut C,
+) -> Result<Result<Vec<DdlEvent>, Held>, CaptureError> {
+    let now = &drift.now;
+    let table = TableName::new(&now.namespace, &now.name).to_string();
+    let replicated = |name: &str| {
+        flow.tables
+            .iter()
+            .any(|t| TableName::parse(t).is_ok_and(|t| t.to_string() == name))
+    };
+    if !replicated(&table) && !replicated(&drift.relation) {
+        return Ok(Ok(Vec::new()));
+    }
+    let Some(pinned) = &drift.pinned else {
+        return Ok(Err(Held {
+            relation: drift.relation.clone(),
+            changes: vec![format!(
+                "pinned fingerprint {:#018x}, the source now sends {:#018x}: the pinned description is not known to this log (pinned by an older build, or changed before its first row), so the change cannot be named",
+                drift.pinned_fingerprint, now.fingerprint
+            )],
+            fix: vec![reseed(flow, &table)],
+        }));
+    };
+    let mut events = Vec::new();
+    let mut held = Vec::new();
+    for found in ddl::diff::diff(pinned, now) {
+        match event(flow, pinned, now, &table, &found, catalog).await? {
+            Ok(event) => events.push(event),
+            Err(line) => held.push(line),
+        }
+    }
+    if held.is_empty() {
+        return Ok(Ok(events));
+    }
+    Ok(Err(Held {
+        relation: table.clone(),
+        changes: held,
+        fix: vec![
+            format!(
+                "apply the change on each sink's target yourself and copy the table again at its own boundary: `trellara reseed --flow {} --table {table}`",
+                flow.name
+            ),
+            format!(
+                "or take a new snapshot of the whole flow: `trellara reseed --flow {}`",
+                flow.name
+            ),
+        ],
+    }))
+}
+
+fn reseed(flow: &Flow, table: &str) -> String {
+    format!(
+        "review the DDL on {table} at the source, then take a new snapshot: `trellara reseed --flow {}`",
+        flow.name
+    )
+}
+
+/// One detected change as its event, or the line that says why it holds.
+async fn event<C: Catalog>(
+    flow: &Flow,
+    pinned: &RelationSchema,
+    now: &RelationSchema,
+    table: &str,
+    found: &Detected,
+    catalog: &mut C,
+) -> Result<Result<DdlEvent, String>, CaptureError> {
+    let on = match &found.column {
+        Some(c) => format!("{table}.{}", trellara_common::table_name::display_ident(c)),
+        None => table.to_owned(),
+    };
+    let Some(mut kind) = found.kind else {
+        return Ok(Err(format!(
+            "{}: outside the eleven kinds, manual-review",
+            found.what
+        )));
+    };
+    let column = found
+        .column
+        .as_ref()
+        .and_then(|name| now.columns.iter().find(|c| &c.name == name));
+    let mut fill = None;
+    let mut type_name = String::new();
+    if let (DdlKind::AddNullableColumn, Some(c)) = (kind, column) {
+        let Some(added) = catalog.added(now.relation_id, &c.name, c.type_oid).await? else {
+            return Ok(Err(format!(
+                "{}: the source catalog no longer has it as sent (dropped or changed again since), manual-review",
+                found.what
+            )));
+        };
+        if added.not_null {
+            kind = DdlKind::AddNotNullColumn;
+        } else if added.has_default && added.fill.is_none() {
+            return Ok(Err(format!(
+                "{}: its default rewrote the source table (a volatile default), so the rows before it hold values no event carries, manual-review",
+                found.what
+            )));
+        } else if added.array && added.fill.as_ref().is_some_and(Option::is_some) {
+            return Ok(Err(format!(
+                "{}: an array column with a default for the rows before it, manual-review",
+                found.what
+            )));
+        }
+        fill = added.fill.flatten();
+        type_name = added.type_name;
+    } else if let Some(c) = column {
+        type_name = catalog.type_name(c.type_oid).await?;
+    }
+    let change = Change {
+        kind,
+        table: table.to_owned(),
+        column: found.column.clone(),
+    };
+    let contract = ddl::plan(flow, &change, None);
+    if contract.decision != Decision::AutoApply.as_str() {
+        let staged = flow.schema.apply_mode == ApplyMode::Staged
+            && contract.decision == Decision::StageThenApply.as_str();
+        return Ok(Err(format!(
+            "{} on {on}: {} ({}){}",
+            ddl::kind_name(kind),
+            contract.decision,
+            contract.reason,
+            if staged {
+                "; stage-then-apply is not built yet: hold"
+            } else {
+                ""
+            }
+        )));
+    }
+    let statement = match (kind, column) {
+        (DdlKind::AddNullableColumn, Some(c)) => format!(
+            "ALTER TABLE {} ADD COLUMN {} {}{}",
+            TableName::new(&now.namespace, &now.name).quoted(),
+            postgres_protocol::escape::escape_identifier(&c.name),
+            type_name,
+            fill.as_ref()
+                .map(|v| format!(" DEFAULT {}", postgres_protocol::escape::escape_literal(v)))
+                .unwrap_or_default()
+        ),
+        (_, Some(c)) => format!(
+            "ALTER TABLE {} ALTER COLUMN {} TYPE {type_name} (modifier {})",
+            TableName::new(&now.namespace, &now.name).quoted(),
+            postgres_protocol::escape::escape_identifier(&c.name),
+            c.type_modifier
+        ),
+        (_, None) => found.what.clone(),
+    };
+    Ok(Ok(DdlEvent {
+        kind: kind as i32,
+        relation_id: now.relation_id,
+        command_tag: "ALTER TABLE".into(),
+        statement,
+        fingerprint_before: pinned.fingerprint,
+        fingerprint_after: now.fingerprint,
+        column: found.column.clone().unwrap_or_default(),
+        type_name,
+        type_modifier: column.map_or(-1, |c| c.type_modifier),
+        fill: fill.map(|v| Value {
+            kind: Some(value::Kind::Text(v)),
+        }),
+        old_name: found.old_name.clone().unwrap_or_default(),
+    }))
+}

@@ -1,0 +1,60 @@
+//! `trellara.schema_changes`: each schema change a sink applied, or found
+//! its target already had, with its barrier. A row is written in the
+//! target transaction of the change's first rows (the sink's
+//! acknowledgement), and the table's pinned fingerprint in
+//! `trellara.snapshot_tables` moves in that same transaction.
+
+use tokio_postgres::GenericClient;
+
+/// Records one sink's acknowledgement: `$1` flow, `$2` barrier id, `$3`
+/// table, `$4` kind, `$5` commit LSN (text), `$6` statement, `$7`/`$8`
+/// fingerprints before and after, `$9` outcome. A replay of the same
+/// change (a crash after the target commit, before the log cursor moved)
+/// finds its row and writes nothing.
+pub const ACKNOWLEDGE: &str = "INSERT INTO trellara.schema_changes
+        (flow, barrier_id, table_name, kind, commit_lsn, statement, fingerprint_before, fingerprint_after, outcome)
+    VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $6, $7, $8, $9)
+    ON CONFLICT (flow, barrier_id) DO NOTHING";
+
+/// Moves the table's pin: `$1` flow, `$2` table, `$3` fingerprint, `$4`
+/// the description (an encoded RelationSchema).
+pub const REPIN: &str = "UPDATE trellara.snapshot_tables SET fingerprint = $3, pinned_schema = $4
+    WHERE flow = $1 AND table_name = $2";
+
+/// One acknowledged change, for `status`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Acknowledged {
+    pub barrier_id: String,
+    pub table: String,
+    pub kind: String,
+    pub commit_lsn: String,
+    pub statement: String,
+    pub outcome: String,
+    pub acknowledged_at: String,
+}
+
+/// The flow's acknowledged changes, oldest first.
+pub async fn changes(
+    client: &impl GenericClient,
+    flow: &str,
+) -> Result<Vec<Acknowledged>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT barrier_id, table_name, kind, commit_lsn::text, statement, outcome, acknowledged_at::text
+             FROM trellara.schema_changes WHERE flow = $1 ORDER BY commit_lsn, barrier_id",
+            &[&flow],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| Acknowledged {
+            barrier_id: r.get(0),
+            table: r.get(1),
+            kind: r.get(2),
+            commit_lsn: r.get(3),
+            statement: r.get(4),
+            outcome: r.get(5),
+            acknowledged_at: r.get(6),
+        })
+        .collect())
+}
