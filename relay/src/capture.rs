@@ -657,7 +657,11 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
     let mut shutdown = shutdown;
     let result = async {
     let mut in_stream_block = false;
-    let mut pins_stored = pinned(config, log)?.len();
+    // How many pins and descriptions the log holds: a first sight grows
+    // either (a flow's tables are pinned by the target, often without a
+    // description from an older build).
+    let stored = |a: &Assembler| (a.pinned().len(), a.schemas().len());
+    let mut pins_stored = (pinned(config, log)?.len(), pinned_schemas(log)?.len());
     let mut catalog = crate::contract::SourceCatalog::new(&config.source);
     // A description re-pinned by an accepted change is stored once what
     // carries the change is durable: stored before, a crash would replay
@@ -779,9 +783,9 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
             if let Err(e) = handle_event(ev, config, &mut state, log, stream, hooks).await {
                 return Err(batch.stop_at(e, log, stream, stats, hooks).await);
             }
-            if relation && assembler.pinned().len() > pins_stored && !repinned {
+            if relation && stored(assembler) != pins_stored && !repinned {
                 store_pins(log, assembler)?;
-                pins_stored = assembler.pinned().len();
+                pins_stored = stored(assembler);
             }
         }
         if repinned
@@ -790,7 +794,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
             && batch.written.is_empty()
         {
             store_pins(log, assembler)?;
-            pins_stored = assembler.pinned().len();
+            pins_stored = stored(assembler);
             repinned = false;
         }
         // The walsender pings after each transaction it sends while the

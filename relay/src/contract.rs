@@ -192,7 +192,7 @@ pub async fn explain<C: Catalog>(
                 "pinned fingerprint {:#018x}, the source now sends {:#018x}: the pinned description is not known to this log (pinned by an older build, or changed before its first row), so the change cannot be named",
                 drift.pinned_fingerprint, now.fingerprint
             )],
-            fix: vec![reseed(flow, &table)],
+            fix: vec![reseed(&flow.name, &table)],
         }));
     };
     let mut events = Vec::new();
@@ -209,24 +209,52 @@ pub async fn explain<C: Catalog>(
     Ok(Err(Held {
         relation: table.clone(),
         changes: held,
-        fix: vec![
-            format!(
-                "apply the change on each sink's target yourself and copy the table again at its own boundary: `trellara reseed --flow {} --table {table}`",
-                flow.name
-            ),
-            format!(
-                "or take a new snapshot of the whole flow: `trellara reseed --flow {}`",
-                flow.name
-            ),
-        ],
+        fix: vec![reseed(&flow.name, &table)],
     }))
 }
 
-fn reseed(flow: &Flow, table: &str) -> String {
+/// The fix for a held change while capture stops at it: one-table reseed
+/// and `schema accept` need a following flow.
+fn reseed(flow: &str, table: &str) -> String {
     format!(
-        "review the DDL on {table} at the source, then take a new snapshot: `trellara reseed --flow {}`",
-        flow.name
+        "review the DDL on {table} at the source, apply what the target needs yourself, then take a new snapshot of the flow: `trellara reseed --flow {flow}`"
     )
+}
+
+/// A drift on a path that propagates no schema change (native capture):
+/// each change named, none applied.
+pub fn unpropagated(
+    flow: &str,
+    relation: &str,
+    pinned: Option<&RelationSchema>,
+    pinned_fingerprint: u64,
+    now: &RelationSchema,
+) -> Held {
+    let table = TableName::new(&now.namespace, &now.name).to_string();
+    let mut changes: Vec<String> = match pinned {
+        Some(pinned) => ddl::diff::diff(pinned, now)
+            .into_iter()
+            .map(|d| {
+                format!(
+                    "{}: {}",
+                    d.kind.map_or("outside the eleven kinds", ddl::kind_name),
+                    d.what
+                )
+            })
+            .collect(),
+        None => vec![format!(
+            "pinned fingerprint {pinned_fingerprint:#018x}, the source now sends {:#018x} (the pinned description is not known, so the change cannot be named)",
+            now.fingerprint
+        )],
+    };
+    changes.push(
+        "native capture does not propagate schema changes yet; the external path (flows[].capture: external) applies the compatible ones".into(),
+    );
+    Held {
+        relation: relation.to_owned(),
+        changes,
+        fix: vec![reseed(flow, &table)],
+    }
 }
 
 /// One detected change as its event, or the line that says why it holds.

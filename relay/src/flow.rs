@@ -944,9 +944,10 @@ fn stop_of(
                 reseed,
             ],
         )),
-        FlowError::Capture(capture::CaptureError::SchemaHeld(held)) => {
-            Some(("schema_change", held.to_string(), held.fix.clone()))
-        }
+        FlowError::Capture(capture::CaptureError::SchemaHeld(held))
+        | FlowError::NativeRelay(crate::native::NativeError::Capture(
+            capture::CaptureError::SchemaHeld(held),
+        )) => Some(("schema_change", held.to_string(), held.fix.clone())),
         FlowError::Capture(
             err @ (capture::CaptureError::Invalidated { .. }
             | capture::CaptureError::SlotAhead { .. }
@@ -1148,6 +1149,11 @@ fn start_capture<'a>(
         begun: Arc::clone(&begun),
         floor,
         observe,
+        pins: crate::native::Pins {
+            flow: flow.name.clone(),
+            fingerprints: config.pinned.clone(),
+            schemas: config.schemas.clone(),
+        },
     };
     Ok(Capture {
         flow,
@@ -1968,6 +1974,7 @@ struct NativeRun<'a> {
     /// The target checkpoint's end LSN ([`crate::native::NativeConfig::floor`]).
     floor: Lsn,
     observe: Option<Observer>,
+    pins: crate::native::Pins,
 }
 
 async fn native_capture(
@@ -1983,6 +1990,7 @@ async fn native_capture(
         begun,
         floor,
         observe,
+        pins,
     } = run;
     let socket = set_up_worker(flow, source, log_dir).await?;
     let progress_rx = progress.subscribe();
@@ -1997,6 +2005,7 @@ async fn native_capture(
         observe,
         // run claimed the log when it opened it.
         owner: None,
+        pins: Some(pins),
     };
     let serve = crate::native::serve_on(config, log, stop);
     let start = async {

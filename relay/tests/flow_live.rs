@@ -789,7 +789,7 @@ fn schema_changes_apply_with_their_rows_or_hold_naming_the_fix() {
             "{major}: {err}"
         );
         assert!(
-            err.contains("trellara reseed --flow shop --table public.orders"),
+            err.contains("trellara reseed --flow shop`"),
             "{major}: {err}"
         );
         assert_eq!(

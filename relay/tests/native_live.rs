@@ -693,31 +693,29 @@ fn upgrade_from_0_1_0_matches_a_fresh_install() {
 /// the snapshot boundary), configures and starts the worker, relays its
 /// frames into the log and applies them: CONVERGED, twice, with writes to
 /// a table outside the flow left out by the worker.
-#[test]
-fn run_with_native_capture_converges() {
-    on_every_major(|major| {
+/// A source with the extension preloaded, a target, and a flow over
+/// `tables` with native capture, in a directory owned by the server's OS
+/// user (the relay must run as it).
+struct NativeFlow {
+    source: Cluster,
+    target: Cluster,
+    dir: tempfile::TempDir,
+    owner: nix::unistd::User,
+    major: Major,
+}
+
+impl NativeFlow {
+    fn start(major: Major, schema: &str, tables: &[&str]) -> Option<NativeFlow> {
         if !enabled(major) {
-            return;
+            return None;
         }
-        let Some(source) = test_cluster(
+        let source = test_cluster(
             major,
             &ClusterOptions::new().shared_preload_library("trellara"),
-        ) else {
-            return;
-        };
-        let Some(target) = test_cluster(major, &ClusterOptions::new()) else {
-            return;
-        };
-        // A mixed-case name with a comma: the worker's tables option
-        // carries it quoted, as SQL spells it.
-        let schema = "CREATE TABLE public.orders (id bigint PRIMARY KEY, note text, qty int);
-                      CREATE TABLE public.\"Line,Items\" (id bigint PRIMARY KEY, \"Qty\" int)";
+        )?;
+        let target = test_cluster(major, &ClusterOptions::new())?;
         source.psql(schema);
-        source.psql("CREATE TABLE public.elsewhere (id bigint PRIMARY KEY)");
         target.psql(schema);
-        source
-            .psql("INSERT INTO public.orders SELECT i, 'n' || i, i FROM generate_series(1, 500) i");
-
         let dir = tempfile::tempdir().expect("tempdir");
         let owner = nix::unistd::User::from_name(OS_USER)
             .expect("getpwnam")
@@ -725,39 +723,79 @@ fn run_with_native_capture_converges() {
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))
             .expect("chmod");
         nix::unistd::chown(dir.path(), Some(owner.uid), Some(owner.gid)).expect("chown");
-        let trellara = |args: &[&str]| {
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_trellara"));
-            std::os::unix::process::CommandExt::uid(&mut cmd, owner.uid.as_raw());
-            std::os::unix::process::CommandExt::gid(&mut cmd, owner.gid.as_raw());
-            let out = cmd
-                .current_dir(dir.path())
-                .env("HOME", dir.path())
-                .args(args)
-                .output()
-                .expect("run trellara");
-            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-            assert!(
-                out.status.success(),
-                "trellara {args:?} failed on {major}:\n{stdout}\n{}\n{}",
-                String::from_utf8_lossy(&out.stderr),
-                source.log_contents()
-            );
-            stdout
+        let flow = NativeFlow {
+            source,
+            target,
+            dir,
+            owner,
+            major,
         };
-        trellara(&[
+        let (source_url, target_url) = (
+            flow.source.connection_string("postgres"),
+            flow.target.connection_string("postgres"),
+        );
+        let mut args = vec![
             "init",
             "--source-database-url",
-            &source.connection_string("postgres"),
+            &source_url,
             "--target-database-url",
-            &target.connection_string("postgres"),
-            "--table",
-            "public.orders",
-            "--table",
-            "public.\"Line,Items\"",
+            &target_url,
             "--capture",
             "native",
             "--evaluate",
-        ]);
+        ];
+        for table in tables {
+            args.extend(["--table", table]);
+        }
+        flow.ok(&args);
+        Some(flow)
+    }
+
+    /// `trellara args` as the server's OS user.
+    fn run(&self, args: &[&str]) -> std::process::Output {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_trellara"));
+        std::os::unix::process::CommandExt::uid(&mut cmd, self.owner.uid.as_raw());
+        std::os::unix::process::CommandExt::gid(&mut cmd, self.owner.gid.as_raw());
+        cmd.current_dir(self.dir.path())
+            .env("HOME", self.dir.path())
+            .args(args)
+            .output()
+            .expect("run trellara")
+    }
+
+    /// [`run`](Self::run), which must succeed; its stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "trellara {args:?} failed on {}:\n{stdout}\n{}\n{}",
+            self.major,
+            String::from_utf8_lossy(&out.stderr),
+            self.source.log_contents()
+        );
+        stdout
+    }
+}
+
+#[test]
+fn run_with_native_capture_converges() {
+    on_every_major(|major| {
+        // A mixed-case name with a comma: the worker's tables option
+        // carries it quoted, as SQL spells it.
+        let schema = "CREATE TABLE public.orders (id bigint PRIMARY KEY, note text, qty int);
+                      CREATE TABLE public.\"Line,Items\" (id bigint PRIMARY KEY, \"Qty\" int)";
+        let Some(flow) =
+            NativeFlow::start(major, schema, &["public.orders", "public.\"Line,Items\""])
+        else {
+            return;
+        };
+        let (source, target, dir) = (&flow.source, &flow.target, &flow.dir);
+        let trellara = |args: &[&str]| flow.ok(args);
+        source.psql("CREATE TABLE public.elsewhere (id bigint PRIMARY KEY)");
+        source
+            .psql("INSERT INTO public.orders SELECT i, 'n' || i, i FROM generate_series(1, 500) i");
+
         let first = trellara(&["run", "--config", "trellara.yml", "--local", "--verify"]);
         assert!(first.contains("CONVERGED"), "{first}");
 
@@ -787,16 +825,7 @@ fn run_with_native_capture_converges() {
         // lost, the worker must refuse the gap, not start afresh.
         target.psql("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (qty < 10000)");
         source.psql("INSERT INTO public.orders VALUES (9001, 'big', 20000)");
-        let run = || {
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_trellara"));
-            std::os::unix::process::CommandExt::uid(&mut cmd, owner.uid.as_raw());
-            std::os::unix::process::CommandExt::gid(&mut cmd, owner.gid.as_raw());
-            cmd.current_dir(dir.path())
-                .env("HOME", dir.path())
-                .args(["run", "--config", "trellara.yml", "--local"])
-                .output()
-                .expect("run trellara")
-        };
+        let run = || flow.run(&["run", "--config", "trellara.yml", "--local"]);
         let quarantined = run();
         assert_eq!(quarantined.status.code(), Some(1));
         assert!(String::from_utf8_lossy(&quarantined.stderr).contains("quarantined"));
@@ -816,6 +845,64 @@ fn run_with_native_capture_converges() {
         assert_eq!(
             target.psql_value("SELECT count(*) FROM public.orders WHERE id = 9001"),
             "0"
+        );
+    });
+}
+
+/// The native path propagates no schema change yet: a change to a
+/// replicated table stops capture before its transaction is logged, naming
+/// the kind, and a reseed takes the table afresh.
+#[test]
+fn a_schema_change_on_the_native_path_holds_naming_its_kind() {
+    on_every_major(|major| {
+        let schema = "CREATE TABLE public.orders (id bigint PRIMARY KEY, note text, qty int)";
+        let Some(flow) = NativeFlow::start(major, schema, &["public.orders"]) else {
+            return;
+        };
+        flow.source
+            .psql("INSERT INTO public.orders SELECT i, 'n' || i, i FROM generate_series(1, 50) i");
+        let first = flow.ok(&["run", "--config", "trellara.yml", "--local", "--verify"]);
+        assert!(first.contains("CONVERGED"), "{first}");
+        for side in [&flow.source, &flow.target] {
+            side.psql("ALTER TABLE public.orders ADD COLUMN region text");
+        }
+        flow.source.psql(
+            "INSERT INTO public.orders VALUES (51, 'before', 1, NULL);
+             ALTER TABLE public.orders ALTER COLUMN qty TYPE bigint;
+             INSERT INTO public.orders VALUES (52, 'after', 1, 'eu');",
+        );
+        let out = flow.run(&["run", "--config", "trellara.yml", "--local"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{major}: {err}");
+        assert!(
+            err.contains("schema change on public.orders held")
+                && err.contains("add_nullable_column: column region added to public.orders")
+                && err.contains("native capture does not propagate schema changes yet"),
+            "{major}: {err}"
+        );
+        assert_eq!(
+            flow.target
+                .psql_value("SELECT count(*) FROM public.orders WHERE id > 50"),
+            "0",
+            "{major}: nothing under the new schema landed"
+        );
+        assert_eq!(
+            flow.target
+                .psql_value("SELECT kind FROM trellara.flow_stops WHERE flow = 'main'"),
+            "schema_change"
+        );
+        // The hint's fix: the target already has the column; a new snapshot
+        // pins the new description, and the flow goes on.
+        flow.target
+            .psql("ALTER TABLE public.orders ALTER COLUMN qty TYPE bigint");
+        flow.ok(&["reseed", "--config", "trellara.yml", "--flow", "main"]);
+        let again = flow.ok(&["run", "--config", "trellara.yml", "--local", "--verify"]);
+        assert!(again.contains("CONVERGED"), "{major}: {again}");
+        assert_eq!(
+            flow.target.psql_value(
+                "SELECT string_agg(id || ':' || coalesce(region, '-'), ',' ORDER BY id) FROM public.orders WHERE id > 50"
+            ),
+            "51:-,52:eu"
         );
     });
 }
