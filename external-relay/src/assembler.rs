@@ -146,6 +146,8 @@ pub enum AssemblyError {
 struct Txn {
     xid: u32,
     begin_lsn: u64,
+    /// A plain transaction's commit LSN, from its Begin (0: streamed).
+    final_lsn: u64,
     origin: String,
     /// Its changes, planned into chunks as they come: at commit each chunk
     /// is framed from the spooled bytes as they are.
@@ -159,6 +161,12 @@ struct Txn {
     subxacts: HashMap<u32, Mark>,
     /// Drifts accepted inside it, in order.
     repins: Vec<Repin>,
+    /// DDL events whose fill the caller reads at commit (a streamed
+    /// transaction's column is not in the catalog before): sequence,
+    /// table and event.
+    unfilled: Vec<(u64, String, DdlEvent)>,
+    /// Their completed encodings, by sequence.
+    patches: HashMap<u64, Vec<u8>>,
 }
 
 impl Txn {
@@ -166,6 +174,7 @@ impl Txn {
         Txn {
             xid,
             begin_lsn,
+            final_lsn: 0,
             origin: String::new(),
             spool: Spool::new(
                 config.memory_budget,
@@ -176,6 +185,8 @@ impl Txn {
             versions: HashMap::new(),
             subxacts: HashMap::new(),
             repins: Vec::new(),
+            unfilled: Vec::new(),
+            patches: HashMap::new(),
         }
     }
 }
@@ -278,10 +289,49 @@ impl Assembler {
         }
     }
 
+    /// The commit LSN of the plain transaction open now.
+    pub fn open_commit_lsn(&self) -> Option<u64> {
+        match &self.open {
+            Open::Plain(txn) => Some(txn.final_lsn),
+            _ => None,
+        }
+    }
+
+    /// The DDL events of streamed transaction `xid` whose fill waits for
+    /// its commit, with their tables, in order.
+    pub fn unfilled(&self, xid: u32) -> Vec<(String, DdlEvent)> {
+        self.streams.get(&xid).map_or_else(Vec::new, |t| {
+            t.unfilled
+                .iter()
+                .map(|(_, table, e)| (table.clone(), e.clone()))
+                .collect()
+        })
+    }
+
+    /// Completes the events [`unfilled`](Self::unfilled) gave, in its order:
+    /// the transaction's envelopes carry these instead.
+    pub fn fill(&mut self, xid: u32, events: Vec<DdlEvent>) {
+        let Some(txn) = self.streams.get_mut(&xid) else {
+            return;
+        };
+        for ((sequence, _, _), event) in std::mem::take(&mut txn.unfilled).into_iter().zip(events) {
+            let change = Change {
+                sequence,
+                body: Some(change::Body::Ddl(event)),
+            };
+            txn.patches.insert(sequence, change.encode_to_vec());
+        }
+    }
+
     /// Takes `drift` as the relation's new pinned description, with the
     /// DDL `events` that explain it: they join the open transaction here,
-    /// ahead of every row under the new description.
-    pub fn accept(&mut self, drift: Drift, events: Vec<DdlEvent>) -> Result<(), AssemblyError> {
+    /// ahead of every row under the new description. An event marked
+    /// `true` is completed at commit ([`fill`](Self::fill)).
+    pub fn accept(
+        &mut self,
+        drift: Drift,
+        events: Vec<(DdlEvent, bool)>,
+    ) -> Result<(), AssemblyError> {
         let now = drift.now;
         let qualified = TableName::new(&now.namespace, &now.name).to_string();
         let mut names = vec![qualified.clone()];
@@ -313,7 +363,12 @@ impl Assembler {
             self.pinned.remove(&drift.relation);
             self.schemas.remove(&drift.relation);
         }
-        for event in events {
+        for (event, unfilled) in events {
+            if unfilled && let Some(txn) = self.current() {
+                let sequence = txn.spool.records();
+                txn.unfilled
+                    .push((sequence, qualified.clone(), event.clone()));
+            }
             self.push(
                 change::Body::Ddl(event),
                 Some(now.clone()),
@@ -364,7 +419,9 @@ impl Assembler {
                 } else {
                     begin.final_lsn
                 };
-                self.open = Open::Plain(Box::new(Txn::new(begin.xid, first, &self.config)));
+                let mut txn = Txn::new(begin.xid, first, &self.config);
+                txn.final_lsn = begin.final_lsn;
+                self.open = Open::Plain(Box::new(txn));
             }
             Message::Commit(commit) => {
                 let Open::Plain(txn) = std::mem::replace(&mut self.open, Open::None) else {
@@ -441,6 +498,8 @@ impl Assembler {
                     // Subtransactions that started after the aborted one
                     // went with it.
                     txn.subxacts.retain(|_, m| m.bytes < mark.bytes);
+                    txn.unfilled
+                        .retain(|(sequence, _, _)| *sequence < mark.records);
                 }
             }
             Message::Message(msg) if !msg.transactional => {
@@ -730,6 +789,7 @@ impl Assembler {
         // applier take it) before the next is built.
         self.finishing = Some(Finishing {
             frame,
+            patches: std::mem::take(&mut txn.patches),
             relations: std::mem::take(&mut txn.relations),
             planned: txn
                 .spool
@@ -782,11 +842,14 @@ impl Assembler {
         let (commit_lsn, end_lsn) = (frame.commit_lsn, frame.end_lsn);
         let mut raw = envelope::RawEnvelope::new(frame, span.changes).map_err(invalid)?;
         raw.reserve(span.changes, span.bytes);
-        for _ in 0..span.changes {
+        for k in 0..span.changes {
             let Some((_, record)) = f.planned.next_record().map_err(spill)? else {
                 break;
             };
-            raw.push(record).map_err(invalid)?;
+            match f.patches.get(&(span.first_sequence + k)) {
+                Some(patched) => raw.push(patched).map_err(invalid)?,
+                None => raw.push(record).map_err(invalid)?,
+            }
         }
         let bytes = raw.finish().map_err(invalid)?;
         // Each change was checked as it came and the frame just now; the
@@ -824,6 +887,8 @@ impl Assembler {
 struct Finishing {
     /// Every field but relations, changes and boundary, which are per chunk.
     frame: Envelope,
+    /// Records replaced by their completed encoding, by sequence.
+    patches: HashMap<u64, Vec<u8>>,
     relations: BTreeMap<u32, (RelationSchema, usize)>,
     planned: Planned,
     next_chunk: usize,

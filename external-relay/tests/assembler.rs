@@ -614,7 +614,7 @@ fn run_accepting(
             && let Some(drift) = asm.drift(rel)
         {
             let id = drift.now.relation_id;
-            asm.accept(drift, vec![added_column(id)])?;
+            asm.accept(drift, vec![(added_column(id), false)])?;
             continue;
         }
         out.extend(run(asm, vec![m])?);

@@ -666,7 +666,12 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
     // A description re-pinned by an accepted change is stored once what
     // carries the change is durable: stored before, a crash would replay
     // the change's transaction with no drift left to see.
-    let mut repinned = false;
+    // Changes accepted, and how many of them the stored pins hold.
+    let (mut accepted, mut stored_accepted) = (0u64, 0u64);
+    // Where the log must be durable for the re-pin to be stored, and how
+    // many changes were accepted when it was taken (a later one re-arms).
+    let mut repin_at: Option<(u64, u64)> = None;
+    let mut acked_end = 0u64;
     // The fsync in flight: the written end it covers, and its wait.
     type Syncing<'a> = (
         u64,
@@ -683,6 +688,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
             let end = *end;
             syncing = None;
             batch.acknowledge(end, stream, hooks)?;
+            acked_end = acked_end.max(end);
         }
         if syncing.is_none()
             && let Some(&(end, _, _)) = batch.written.back()
@@ -740,6 +746,7 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                     done?;
                     if let Some((end, _)) = syncing.take() {
                         batch.acknowledge(end, stream, hooks)?;
+                        acked_end = acked_end.max(end);
                     }
                     None
                 }
@@ -747,6 +754,9 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                 () = tokio::time::sleep(config.status_interval) => None,
                 () = &mut shutdown => {
                     batch.advance(log, stream, stats, hooks).await?;
+                    if accepted != stored_accepted && !assembler.in_transaction() {
+                        store_pins(log, assembler)?;
+                    }
                     // The rest of the stream is read to its end at once.
                     stream.pace_reads(None);
                     return Ok(true);
@@ -777,25 +787,28 @@ pub(crate) async fn stream_changes<S: Storage, R: SourceStream>(
                 resume,
                 stats,
                 catalog: &mut catalog,
-                repinned: &mut repinned,
+                repinned: &mut accepted,
             };
             let relation = matches!(&ev, ReplicationEvent::XLogData { data, .. } if data.first() == Some(&b'R'));
             if let Err(e) = handle_event(ev, config, &mut state, log, stream, hooks).await {
                 return Err(batch.stop_at(e, log, stream, stats, hooks).await);
             }
-            if relation && stored(assembler) != pins_stored && !repinned {
+            if relation && stored(assembler) != pins_stored && accepted == stored_accepted {
                 store_pins(log, assembler)?;
                 pins_stored = stored(assembler);
             }
         }
-        if repinned
-            && !assembler.in_transaction()
-            && batch.records.is_empty()
-            && batch.written.is_empty()
-        {
-            store_pins(log, assembler)?;
-            pins_stored = stored(assembler);
-            repinned = false;
+        if accepted != stored_accepted && !assembler.in_transaction() && batch.records.is_empty() {
+            if repin_at.is_none_or(|(_, n)| n != accepted) {
+                repin_at = Some((log.written_end(), accepted));
+            }
+            if let Some((at, _)) = repin_at
+                && acked_end >= at
+            {
+                store_pins(log, assembler)?;
+                pins_stored = stored(assembler);
+                stored_accepted = accepted;
+            }
         }
         // The walsender pings after each transaction it sends while the
         // acknowledged position is behind: advancing (an fsync wait and a
@@ -1084,8 +1097,8 @@ struct Session<'a, 'c> {
     resume: Resume,
     stats: &'a mut CaptureStats,
     catalog: &'a mut crate::contract::SourceCatalog<'c>,
-    /// An accepted change re-pinned a description not stored yet.
-    repinned: &'a mut bool,
+    /// Changes accepted so far (each re-pins a description to store).
+    repinned: &'a mut u64,
 }
 
 async fn handle_event<S: Storage>(
@@ -1137,6 +1150,27 @@ async fn handle_event<S: Storage>(
                 Message::StreamStop => **in_stream_block = false,
                 _ => {}
             }
+            if let (Message::StreamCommit(commit), Some(flow)) = (&message, &config.ddl) {
+                let unfilled = assembler.unfilled(commit.xid);
+                if !unfilled.is_empty() {
+                    match crate::contract::complete(flow, unfilled, &mut **catalog).await? {
+                        Ok(events) => assembler.fill(commit.xid, events),
+                        Err(held) => return Err(CaptureError::SchemaHeld(held)),
+                    }
+                }
+            }
+            if let (Message::Relation(rel), Some(_)) = (&message, &config.ddl)
+                && let Some(drift) = assembler.drift(rel)
+                && assembler
+                    .open_commit_lsn()
+                    .is_some_and(|lsn| Lsn(lsn) <= resume.commit_lsn)
+            {
+                // A transaction the log holds already (with its change):
+                // it is dropped as a duplicate, the pin just moves.
+                assembler.accept(drift, Vec::new())?;
+                **repinned += 1;
+                return Ok(());
+            }
             if let (Message::Relation(rel), Some(flow)) = (&message, &config.ddl)
                 && let Some(drift) = assembler.drift(rel)
             {
@@ -1153,11 +1187,11 @@ async fn handle_event<S: Storage>(
                 {}
                 match crate::contract::explain(flow, &drift, &mut **catalog).await? {
                     Ok(events) => {
-                        for event in &events {
+                        for (event, _) in &events {
                             tracing::info!(flow = %flow.name, relation = %drift.relation, change = %event.statement, "schema change accepted: it goes to the log ahead of the rows under it");
                         }
                         assembler.accept(drift, events)?;
-                        **repinned = true;
+                        **repinned += 1;
                         return Ok(());
                     }
                     Err(held) => return Err(CaptureError::SchemaHeld(held)),

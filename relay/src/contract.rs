@@ -65,6 +65,12 @@ pub trait Catalog {
         column: &str,
         type_oid: u32,
     ) -> Result<Option<AddedColumn>, CaptureError>;
+    /// The column `column` of relation `relation_id`, whatever its type.
+    async fn added_by_name(
+        &mut self,
+        relation_id: u32,
+        column: &str,
+    ) -> Result<Option<AddedColumn>, CaptureError>;
     /// `format_type(type_oid, NULL)`.
     async fn type_name(&mut self, type_oid: u32) -> Result<String, CaptureError>;
 }
@@ -104,30 +110,43 @@ impl<'a> SourceCatalog<'a> {
         }
     }
 
+    /// Runs `sql` on a plain SQL session (no walsender slot taken), with
+    /// an empty search_path, so `format_type` qualifies every type outside
+    /// pg_catalog. A session found dead is opened again once.
     async fn query(&mut self, sql: &str) -> Result<Vec<pgwire::Row>, CaptureError> {
-        let session = match &mut self.session {
-            Some(s) => s,
-            None => self
-                .session
-                .insert(Connection::connect(self.options).await?),
-        };
-        match session.simple_query(sql).await {
-            Ok(rows) => Ok(rows),
-            Err(e) => {
-                self.session = None;
-                Err(e.into())
+        let sql = format!("SET search_path TO ''; SET statement_timeout TO '30s'; {sql}");
+        for attempt in 0..2 {
+            let session = match &mut self.session {
+                Some(s) => s,
+                None => {
+                    let mut options = self.options.clone();
+                    options.replication = false;
+                    self.session.insert(Connection::connect(&options).await?)
+                }
+            };
+            match session.simple_query(&sql).await {
+                Ok(rows) => return Ok(rows),
+                Err(e) => {
+                    self.session = None;
+                    if attempt == 1 || !e.is_transient() {
+                        return Err(e.into());
+                    }
+                }
             }
         }
+        unreachable!("the second attempt returns")
     }
-}
-
-impl Catalog for SourceCatalog<'_> {
-    async fn added(
+    /// Column `column` of `relation_id` (of type `type_oid`, when given)
+    /// as the catalog has it now.
+    async fn column(
         &mut self,
         relation_id: u32,
         column: &str,
-        type_oid: u32,
+        type_oid: Option<u32>,
     ) -> Result<Option<AddedColumn>, CaptureError> {
+        let of_type = type_oid
+            .map(|t| format!(" AND a.atttypid = {t}::oid"))
+            .unwrap_or_default();
         let sql = format!(
             "SELECT a.attnotnull::text AS not_null, format_type(a.atttypid, NULL) AS type_name,
                     a.atthasmissing::text AS has_missing,
@@ -136,7 +155,7 @@ impl Catalog for SourceCatalog<'_> {
              FROM pg_catalog.pg_attribute a
              JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
              LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-             WHERE a.attrelid = {relation_id}::oid AND a.attname = {} AND a.atttypid = {type_oid}::oid
+             WHERE a.attrelid = {relation_id}::oid AND a.attname = {} {of_type}
                AND a.attnum > 0 AND NOT a.attisdropped",
             postgres_protocol::escape::escape_literal(column)
         );
@@ -152,6 +171,25 @@ impl Catalog for SourceCatalog<'_> {
             has_default: flag("has_default"),
             array: flag("array"),
         }))
+    }
+}
+
+impl Catalog for SourceCatalog<'_> {
+    async fn added(
+        &mut self,
+        relation_id: u32,
+        column: &str,
+        type_oid: u32,
+    ) -> Result<Option<AddedColumn>, CaptureError> {
+        self.column(relation_id, column, Some(type_oid)).await
+    }
+
+    async fn added_by_name(
+        &mut self,
+        relation_id: u32,
+        column: &str,
+    ) -> Result<Option<AddedColumn>, CaptureError> {
+        self.column(relation_id, column, None).await
     }
 
     async fn type_name(&mut self, type_oid: u32) -> Result<String, CaptureError> {
@@ -169,12 +207,13 @@ impl Catalog for SourceCatalog<'_> {
 }
 
 /// The DDL events that explain `drift` on `flow`, when each of its
-/// changes is auto-apply; otherwise what holds it.
+/// changes is auto-apply, each with whether its fill waits for the
+/// transaction's commit ([`complete`]); otherwise what holds it.
 pub async fn explain<C: Catalog>(
     flow: &Flow,
     drift: &Drift,
     catalog: &mut C,
-) -> Result<Result<Vec<DdlEvent>, Held>, CaptureError> {
+) -> Result<Result<Vec<(DdlEvent, bool)>, Held>, CaptureError> {
     let now = &drift.now;
     let table = TableName::new(&now.namespace, &now.name).to_string();
     let replicated = |name: &str| {
@@ -198,7 +237,8 @@ pub async fn explain<C: Catalog>(
     let mut events = Vec::new();
     let mut held = Vec::new();
     for found in ddl::diff::diff(pinned, now) {
-        match event(flow, pinned, now, &table, &found, catalog).await? {
+        let sides = (pinned, now, drift.xid.is_some());
+        match event(flow, sides, &table, &found, catalog).await? {
             Ok(event) => events.push(event),
             Err(line) => held.push(line),
         }
@@ -258,14 +298,111 @@ pub fn unpropagated(
 }
 
 /// One detected change as its event, or the line that says why it holds.
+/// The added column, waiting a little for its transaction to be visible:
+/// a commit is decoded once its WAL is flushed, before the committing
+/// session ends it (a synchronous standby's confirmation comes between).
+/// Inside a streamed transaction one look: it may not have committed.
+async fn added_when_visible<C: Catalog>(
+    catalog: &mut C,
+    relation_id: u32,
+    column: &str,
+    type_oid: u32,
+    in_stream: bool,
+) -> Result<Option<AddedColumn>, CaptureError> {
+    let looks = if in_stream { 1 } else { 6 };
+    for look in 0..looks {
+        if let Some(added) = catalog.added(relation_id, column, type_oid).await? {
+            return Ok(Some(added));
+        }
+        if look + 1 < looks {
+            tokio::time::sleep(std::time::Duration::from_millis(250 << look.min(3))).await;
+        }
+    }
+    Ok(None)
+}
+
+fn gone(what: &str) -> String {
+    format!(
+        "{what}: the source catalog no longer has it as sent (dropped or changed again since), manual-review"
+    )
+}
+
+/// An added column's kind and fill as the catalog states them, or why it
+/// holds.
+fn judge(what: &str, added: &AddedColumn) -> Result<(DdlKind, Option<String>), String> {
+    if added.not_null {
+        return Ok((DdlKind::AddNotNullColumn, None));
+    }
+    if added.has_default && added.fill.is_none() {
+        return Err(format!(
+            "{what}: it has a default but no value for the rows before it: a volatile default rewrote the source table (values no event carries), or the default was set after the column was added; manual-review"
+        ));
+    }
+    if added.array && added.fill.as_ref().is_some_and(Option::is_some) {
+        return Err(format!(
+            "{what}: an array column with a default for the rows before it, manual-review"
+        ));
+    }
+    Ok((DdlKind::AddNullableColumn, added.fill.clone().flatten()))
+}
+
+/// The added columns of a streamed transaction's changes, read from the
+/// catalog now that it committed: each event completed with its fill, or
+/// what holds the transaction.
+pub async fn complete<C: Catalog>(
+    flow: &Flow,
+    events: Vec<(String, DdlEvent)>,
+    catalog: &mut C,
+) -> Result<Result<Vec<DdlEvent>, Held>, CaptureError> {
+    let mut done = Vec::with_capacity(events.len());
+    let mut held = Vec::new();
+    let mut relation = String::new();
+    for (table, mut event) in events {
+        let what = format!("column {} added to {table}", event.column);
+        relation = table;
+        match catalog
+            .added_by_name(event.relation_id, &event.column)
+            .await?
+        {
+            Some(added) if added.type_name != event.type_name => held.push(gone(&what)),
+            None => held.push(gone(&what)),
+            Some(added) => match judge(&what, &added) {
+                Ok((DdlKind::AddNullableColumn, fill)) => {
+                    event.fill = fill.map(|v| Value {
+                        kind: Some(value::Kind::Text(v)),
+                    });
+                    done.push(event);
+                }
+                Ok((kind, _)) => held.push(format!(
+                    "{what}: {}, block (destructive-or-ambiguous)",
+                    ddl::kind_name(kind)
+                )),
+                Err(line) => held.push(line),
+            },
+        }
+    }
+    if held.is_empty() {
+        return Ok(Ok(done));
+    }
+    Ok(Err(Held {
+        relation,
+        changes: held,
+        fix: vec![format!(
+            "review the DDL at the source, apply what the target needs yourself, then take a new snapshot of the flow: `trellara reseed --flow {}`",
+            flow.name
+        )],
+    }))
+}
+
+/// One detected change as its event (and whether its fill waits for the
+/// transaction's commit), or the line that says why it holds.
 async fn event<C: Catalog>(
     flow: &Flow,
-    pinned: &RelationSchema,
-    now: &RelationSchema,
+    (pinned, now, in_stream): (&RelationSchema, &RelationSchema, bool),
     table: &str,
     found: &Detected,
     catalog: &mut C,
-) -> Result<Result<DdlEvent, String>, CaptureError> {
+) -> Result<Result<(DdlEvent, bool), String>, CaptureError> {
     let on = match &found.column {
         Some(c) => format!("{table}.{}", trellara_common::table_name::display_ident(c)),
         None => table.to_owned(),
@@ -282,28 +419,24 @@ async fn event<C: Catalog>(
         .and_then(|name| now.columns.iter().find(|c| &c.name == name));
     let mut fill = None;
     let mut type_name = String::new();
+    let mut pending = false;
     if let (DdlKind::AddNullableColumn, Some(c)) = (kind, column) {
-        let Some(added) = catalog.added(now.relation_id, &c.name, c.type_oid).await? else {
-            return Ok(Err(format!(
-                "{}: the source catalog no longer has it as sent (dropped or changed again since), manual-review",
-                found.what
-            )));
-        };
-        if added.not_null {
-            kind = DdlKind::AddNotNullColumn;
-        } else if added.has_default && added.fill.is_none() {
-            return Ok(Err(format!(
-                "{}: its default rewrote the source table (a volatile default), so the rows before it hold values no event carries, manual-review",
-                found.what
-            )));
-        } else if added.array && added.fill.as_ref().is_some_and(Option::is_some) {
-            return Ok(Err(format!(
-                "{}: an array column with a default for the rows before it, manual-review",
-                found.what
-            )));
+        match added_when_visible(catalog, now.relation_id, &c.name, c.type_oid, in_stream).await? {
+            Some(added) => match judge(&found.what, &added) {
+                Ok((k, f)) => {
+                    (kind, fill) = (k, f);
+                    type_name = added.type_name;
+                }
+                Err(line) => return Ok(Err(line)),
+            },
+            // Inside a streamed transaction the column is not committed
+            // yet: the catalog is read again at its commit.
+            None if in_stream => {
+                pending = true;
+                type_name = catalog.type_name(c.type_oid).await?;
+            }
+            None => return Ok(Err(gone(&found.what))),
         }
-        fill = added.fill.flatten();
-        type_name = added.type_name;
     } else if let Some(c) = column {
         type_name = catalog.type_name(c.type_oid).await?;
     }
@@ -346,19 +479,22 @@ async fn event<C: Catalog>(
         ),
         (_, None) => found.what.clone(),
     };
-    Ok(Ok(DdlEvent {
-        kind: kind as i32,
-        relation_id: now.relation_id,
-        command_tag: "ALTER TABLE".into(),
-        statement,
-        fingerprint_before: pinned.fingerprint,
-        fingerprint_after: now.fingerprint,
-        column: found.column.clone().unwrap_or_default(),
-        type_name,
-        type_modifier: column.map_or(-1, |c| c.type_modifier),
-        fill: fill.map(|v| Value {
-            kind: Some(value::Kind::Text(v)),
-        }),
-        old_name: found.old_name.clone().unwrap_or_default(),
-    }))
+    Ok(Ok((
+        DdlEvent {
+            kind: kind as i32,
+            relation_id: now.relation_id,
+            command_tag: "ALTER TABLE".into(),
+            statement,
+            fingerprint_before: pinned.fingerprint,
+            fingerprint_after: now.fingerprint,
+            column: found.column.clone().unwrap_or_default(),
+            type_name,
+            type_modifier: column.map_or(-1, |c| c.type_modifier),
+            fill: fill.map(|v| Value {
+                kind: Some(value::Kind::Text(v)),
+            }),
+            old_name: found.old_name.clone().unwrap_or_default(),
+        },
+        pending,
+    )))
 }

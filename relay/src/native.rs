@@ -532,8 +532,12 @@ where
             if Lsn(env.commit_lsn) > resume.commit_lsn
                 && let Some(held) = config.pins.as_ref().and_then(|p| p.check(&env))
             {
-                // What came before it is logged and acknowledged; the
-                // worker resends the held transaction to the next session.
+                // What came before it is logged and acknowledged; the held
+                // transaction's earlier chunks are not (the worker resends
+                // it whole to the next session).
+                let held_at = env.commit_lsn;
+                pending.records.retain(|(lsn, _)| *lsn != held_at);
+                pending.bytes = pending.records.iter().map(|(_, b)| b.len()).sum();
                 flush!();
                 return Err(ConnectionError::Fatal(NativeError::Capture(
                     crate::capture::CaptureError::SchemaHeld(held),

@@ -807,6 +807,87 @@ fn schema_changes_apply_with_their_rows_or_hold_naming_the_fix() {
     });
 }
 
+/// ADD COLUMN inside a transaction large enough to stream while it runs:
+/// the change takes its place among the rows, its default reaches the
+/// target's old rows though the catalog holds it only once the transaction
+/// commits, and a later ADD and DROP rolled back by savepoints go back with
+/// their rows.
+#[test]
+fn a_change_inside_a_large_streamed_transaction_applies_at_its_place() {
+    on_every_major(|major| {
+        let Some(p) = pair(major) else {
+            return;
+        };
+        let d = p.dir.path();
+        p.source
+            .psql("ALTER SYSTEM SET logical_decoding_work_mem = '64kB'");
+        p.source.psql("SELECT pg_reload_conf()");
+        workload(&p.source, 1, 5);
+        ok(
+            &trellara(d, &["run", "--config", "trellara.yml", "--local"]),
+            "run",
+        );
+        let lines = |from: i64| {
+            format!(
+                "INSERT INTO public.line_items SELECT {from} + i / 10, i % 10, 1, 1, repeat('x', 200) FROM generate_series(0, 1999) i;"
+            )
+        };
+        p.source.psql(&format!(
+            "BEGIN;
+             {}
+             INSERT INTO public.orders VALUES (10, 'before', 1);
+             ALTER TABLE public.orders ADD COLUMN status text DEFAULT 'new';
+             INSERT INTO public.orders VALUES (11, 'after', 1, 'paid');
+             {}
+             SAVEPOINT a;
+             ALTER TABLE public.orders ADD COLUMN doomed int;
+             INSERT INTO public.orders VALUES (12, 'doomed', 1, 'x', 1);
+             {}
+             ROLLBACK TO SAVEPOINT a;
+             INSERT INTO public.orders VALUES (13, 'after a', 1, 'paid');
+             SAVEPOINT b;
+             ALTER TABLE public.orders DROP COLUMN total;
+             INSERT INTO public.orders VALUES (14, 'dropped', 'x');
+             {}
+             ROLLBACK TO SAVEPOINT b;
+             INSERT INTO public.orders VALUES (15, 'after b', 1, 'paid');
+             COMMIT;",
+            lines(1_000),
+            lines(2_000),
+            lines(3_000),
+            lines(4_000)
+        ));
+        let out = run_verify(d, "run over the streamed transaction");
+        assert!(out.contains("CONVERGED"), "{major}: {out}");
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT string_agg(id || ':' || status, ',' ORDER BY id) FROM public.orders"
+            ),
+            "1:new,2:new,3:new,4:new,5:new,10:new,11:paid,13:paid,15:paid",
+            "{major}"
+        );
+        assert_eq!(
+            p.target
+                .psql_value("SELECT count(*) FROM public.line_items WHERE order_id >= 1000"),
+            "4000",
+            "{major}: the rows of both rolled-back savepoints are gone"
+        );
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT count(*) FROM pg_attribute WHERE attrelid = 'public.orders'::regclass AND attname IN ('doomed', 'total') AND NOT attisdropped"
+            ),
+            "1",
+            "{major}: only total, never doomed"
+        );
+        assert_eq!(
+            p.target
+                .psql_value("SELECT count(*) FROM trellara.schema_changes WHERE flow = 'shop'"),
+            "1",
+            "{major}"
+        );
+    });
+}
+
 #[test]
 fn quarantine_repair_and_replay() {
     on_every_major(quarantine_repair_and_replay_on);

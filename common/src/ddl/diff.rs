@@ -15,7 +15,7 @@
 //! * A column rename is told from a drop and an add only when one column
 //!   left and one arrived at the same position with the same type and key.
 
-use crate::envelope::{ColumnSchema, DdlKind, RelationSchema};
+use crate::envelope::{ColumnSchema, DdlKind, RelationSchema, ReplicaIdentity};
 use crate::table_name::TableName;
 
 /// One difference between two descriptions of a relation.
@@ -171,7 +171,13 @@ pub fn diff(old: &RelationSchema, new: &RelationSchema) -> Vec<Detected> {
     };
     let rename_names =
         renamed.map(|(g, c)| (old.columns[g].name.as_str(), new.columns[c].name.as_str()));
-    if old.replica_identity != new.replica_identity || keys(old, rename_names) != keys(new, None) {
+    // Under FULL every column is a key column: the key set follows the
+    // column list, and only a change of identity itself is a key change.
+    let full = ReplicaIdentity::Full as i32;
+    let both_full = old.replica_identity == full && new.replica_identity == full;
+    if old.replica_identity != new.replica_identity
+        || (!both_full && keys(old, rename_names) != keys(new, None))
+    {
         found.push(Detected {
             kind: Some(DdlKind::KeyChange),
             column: None,
@@ -276,7 +282,6 @@ pub fn diff(old: &RelationSchema, new: &RelationSchema) -> Vec<Detected> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envelope::ReplicaIdentity;
 
     fn column(name: &str, type_oid: u32, type_modifier: i32, key: bool) -> ColumnSchema {
         ColumnSchema {
@@ -369,6 +374,15 @@ mod tests {
         let mut full = old.clone();
         full.replica_identity = ReplicaIdentity::Full as i32;
         assert_eq!(kinds(&old, &full), vec![(Some(DdlKind::KeyChange), None)]);
+        // Under FULL every column is a key: an added one is an add alone.
+        let mut all_keys = full.clone();
+        all_keys.columns.iter_mut().for_each(|c| c.key = true);
+        let mut wider = all_keys.clone();
+        wider.columns.push(column("region", TEXT, -1, true));
+        assert_eq!(
+            kinds(&all_keys, &wider),
+            vec![(Some(DdlKind::AddNullableColumn), col("region"))]
+        );
     }
 
     #[test]

@@ -790,6 +790,20 @@ impl Target for PgTarget {
             u32::try_from(row.get::<_, i64>(0)).ok() == Some(type_oid)
                 && super::fits(type_oid, ddl.type_modifier, type_oid, row.get(1))
         });
+        let fill = match ddl.fill.as_ref().and_then(|v| v.kind.as_ref()) {
+            Some(trellara_common::envelope::value::Kind::Text(v)) => Some(v),
+            _ => None,
+        };
+        if present && let (Some(v), DdlKind::AddNullableColumn) = (fill, change.kind()) {
+            // Its rows from before the change would read NULL (or the
+            // target's own default), the source's read the fill.
+            return Err(Refusal::Data(format!(
+                "{}: target table {qualified} already has a column {column}, but the source's rows from before the change read {} there and the target's cannot be known to\nhint: set the target's old rows (UPDATE {qualified} SET {column} = {} WHERE {column} IS NULL) and retry, or reseed the table",
+                change.statement(),
+                postgres_protocol::escape::escape_literal(v),
+                postgres_protocol::escape::escape_literal(v)
+            )));
+        }
         let alter = match change.kind() {
             _ if present => None,
             DdlKind::AddNullableColumn => {
@@ -800,13 +814,14 @@ impl Target for PgTarget {
                         row.get::<_, String>(2)
                     )));
                 }
-                let fill = match ddl.fill.as_ref().and_then(|v| v.kind.as_ref()) {
-                    Some(trellara_common::envelope::value::Kind::Text(v)) => format!(
-                        " DEFAULT {}::{type_sql}",
-                        postgres_protocol::escape::escape_literal(v)
-                    ),
-                    _ => String::new(),
-                };
+                let fill = fill
+                    .map(|v| {
+                        format!(
+                            " DEFAULT {}::{type_sql}",
+                            postgres_protocol::escape::escape_literal(v)
+                        )
+                    })
+                    .unwrap_or_default();
                 Some(format!(
                     "ALTER TABLE {qualified} ADD COLUMN {column} {type_sql}{fill}"
                 ))
