@@ -947,7 +947,17 @@ fn stop_of(
         FlowError::Capture(capture::CaptureError::SchemaHeld(held))
         | FlowError::NativeRelay(crate::native::NativeError::Capture(
             capture::CaptureError::SchemaHeld(held),
-        )) => Some(("schema_change", held.to_string(), held.fix.clone())),
+        )) => Some((
+            "schema_change",
+            held.to_string(),
+            vec![
+                format!(
+                    "review the DDL on {} at the source and apply what the target needs",
+                    held.relation
+                ),
+                reseed,
+            ],
+        )),
         FlowError::Capture(
             err @ (capture::CaptureError::Invalidated { .. }
             | capture::CaptureError::SlotAhead { .. }

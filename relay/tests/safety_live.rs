@@ -665,7 +665,7 @@ fn status_and_repair_plan_name_every_stop_with_its_command() {
     on_every_major(stops_are_visible);
 }
 
-/// A schema drift that stopped capture, and a slot dropped behind the
+/// A held schema change that stopped capture, and a slot dropped behind the
 /// flow's back, are named by status and repair plan with commands that
 /// carry the flow; a flow that never ran reads as such, without nulls.
 fn stops_are_visible(major: Major) {
@@ -713,7 +713,8 @@ fn stops_are_visible(major: Major) {
     );
 
     // The replica identity changes the relation's fingerprint, not its
-    // columns: capture meets the drift on the next change.
+    // columns: capture meets the change (a key change, held) on the next
+    // row.
     c.try_connect("src")
         .expect("connect")
         .batch_execute("ALTER TABLE public.orders REPLICA IDENTITY FULL; UPDATE public.orders SET note = 'x' WHERE id = 1")
@@ -723,12 +724,15 @@ fn stops_are_visible(major: Major) {
         1,
         "a run meeting schema drift",
     );
-    assert!(text.contains("schema drift"), "{text}");
+    assert!(
+        text.contains("schema change on public.orders held"),
+        "{text}"
+    );
     let text = status("text");
     assert!(
         text.contains("STOPPED")
-            && text.contains("schema drift on public.orders")
-            && text.contains("pinned fingerprint 0x"),
+            && text.contains("schema change on public.orders held")
+            && text.contains("key_change on public.orders: block"),
         "{text}"
     );
     assert!(
@@ -740,7 +744,10 @@ fn stops_are_visible(major: Major) {
         0,
         "repair plan",
     );
-    assert!(plan.contains("schema drift on public.orders"), "{plan}");
+    assert!(
+        plan.contains("schema change on public.orders held"),
+        "{plan}"
+    );
     assert!(!plan.contains("nothing is blocked"), "{plan}");
     for line in plan
         .lines()
