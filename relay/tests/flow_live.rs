@@ -888,6 +888,55 @@ fn a_change_inside_a_large_streamed_transaction_applies_at_its_place() {
     });
 }
 
+/// A follower meets ADD COLUMN ... DEFAULT inside a large transaction
+/// while it is still open: its Relation message streams before the column
+/// is committed, so the event is completed from the catalog at the
+/// transaction's commit, and the target's old rows read the default.
+#[test]
+fn a_column_added_in_an_open_streamed_transaction_is_filled_at_its_commit() {
+    on_every_major(|major| {
+        let Some(p) = pair(major) else {
+            return;
+        };
+        let d = p.dir.path();
+        p.source
+            .psql("ALTER SYSTEM SET logical_decoding_work_mem = '64kB'");
+        p.source.psql("SELECT pg_reload_conf()");
+        workload(&p.source, 1, 3);
+        let (mut child, addr, stderr) = spawn_follower(d);
+        let wait_until = waiter(major, &stderr);
+        wait_until("ready", 60, &|| http_get(&addr, "/readyz").0 == 200);
+        let mut open =
+            postgres::Client::connect(&p.source.connection_string("postgres"), postgres::NoTls)
+                .expect("source session");
+        open.batch_execute(
+            "BEGIN;
+             INSERT INTO public.line_items SELECT 1000 + i / 10, i % 10, 1, 1, repeat('x', 200) FROM generate_series(0, 1999) i;
+             ALTER TABLE public.orders ADD COLUMN status text DEFAULT 'new';
+             INSERT INTO public.orders VALUES (11, 'after', 1, 'paid');
+             INSERT INTO public.line_items SELECT 2000 + i / 10, i % 10, 1, 1, repeat('x', 200) FROM generate_series(0, 1999) i;",
+        )
+        .expect("open transaction");
+        // The walsender streams it (past 64 kB) while it stays open.
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        open.batch_execute("COMMIT").expect("commit");
+        wait_until("the transaction applied", 60, &|| {
+            p.target
+                .psql_value("SELECT count(*) FROM public.orders WHERE id = 11")
+                == "1"
+        });
+        stop_follower(&mut child, &stderr, major);
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT string_agg(id || ':' || status, ',' ORDER BY id) FROM public.orders"
+            ),
+            "1:new,2:new,3:new,11:paid",
+            "{major}"
+        );
+        converged(d, major, &[]);
+    });
+}
+
 #[test]
 fn quarantine_repair_and_replay() {
     on_every_major(quarantine_repair_and_replay_on);
