@@ -19,7 +19,9 @@
 //! * A table the flow does not replicate is re-pinned and goes on: its
 //!   rows reach no sink.
 
-use crate::capture::CaptureError;
+/// What reading the source catalog fails with (capture takes it as its own
+/// wire error: retried when transient).
+pub type CatalogError = trellara_external_relay::pgwire::WireError;
 use trellara_common::config::{ApplyMode, Flow};
 use trellara_common::ddl::{self, Change, Decision, diff::Detected};
 use trellara_common::envelope::{DdlEvent, DdlKind, RelationSchema, Value, value};
@@ -64,15 +66,15 @@ pub trait Catalog {
         relation_id: u32,
         column: &str,
         type_oid: u32,
-    ) -> Result<Option<AddedColumn>, CaptureError>;
+    ) -> Result<Option<AddedColumn>, CatalogError>;
     /// The column `column` of relation `relation_id`, whatever its type.
     async fn added_by_name(
         &mut self,
         relation_id: u32,
         column: &str,
-    ) -> Result<Option<AddedColumn>, CaptureError>;
+    ) -> Result<Option<AddedColumn>, CatalogError>;
     /// `format_type(type_oid, NULL)`.
-    async fn type_name(&mut self, type_oid: u32) -> Result<String, CaptureError>;
+    async fn type_name(&mut self, type_oid: u32) -> Result<String, CatalogError>;
 }
 
 /// What the source catalog says of a column that appeared (see
@@ -113,7 +115,7 @@ impl<'a> SourceCatalog<'a> {
     /// Runs `sql` on a plain SQL session (no walsender slot taken), with
     /// an empty search_path, so `format_type` qualifies every type outside
     /// pg_catalog. A session found dead is opened again once.
-    async fn query(&mut self, sql: &str) -> Result<Vec<pgwire::Row>, CaptureError> {
+    async fn query(&mut self, sql: &str) -> Result<Vec<pgwire::Row>, CatalogError> {
         let sql = format!("SET search_path TO ''; SET statement_timeout TO '30s'; {sql}");
         for attempt in 0..2 {
             let session = match &mut self.session {
@@ -129,7 +131,7 @@ impl<'a> SourceCatalog<'a> {
                 Err(e) => {
                     self.session = None;
                     if attempt == 1 || !e.is_transient() {
-                        return Err(e.into());
+                        return Err(e);
                     }
                 }
             }
@@ -143,7 +145,7 @@ impl<'a> SourceCatalog<'a> {
         relation_id: u32,
         column: &str,
         type_oid: Option<u32>,
-    ) -> Result<Option<AddedColumn>, CaptureError> {
+    ) -> Result<Option<AddedColumn>, CatalogError> {
         let of_type = type_oid
             .map(|t| format!(" AND a.atttypid = {t}::oid"))
             .unwrap_or_default();
@@ -180,7 +182,7 @@ impl Catalog for SourceCatalog<'_> {
         relation_id: u32,
         column: &str,
         type_oid: u32,
-    ) -> Result<Option<AddedColumn>, CaptureError> {
+    ) -> Result<Option<AddedColumn>, CatalogError> {
         self.column(relation_id, column, Some(type_oid)).await
     }
 
@@ -188,11 +190,11 @@ impl Catalog for SourceCatalog<'_> {
         &mut self,
         relation_id: u32,
         column: &str,
-    ) -> Result<Option<AddedColumn>, CaptureError> {
+    ) -> Result<Option<AddedColumn>, CatalogError> {
         self.column(relation_id, column, None).await
     }
 
-    async fn type_name(&mut self, type_oid: u32) -> Result<String, CaptureError> {
+    async fn type_name(&mut self, type_oid: u32) -> Result<String, CatalogError> {
         let rows = self
             .query(&format!(
                 "SELECT format_type({type_oid}::oid, NULL) AS type_name"
@@ -213,7 +215,7 @@ pub async fn explain<C: Catalog>(
     flow: &Flow,
     drift: &Drift,
     catalog: &mut C,
-) -> Result<Result<Vec<(DdlEvent, bool)>, Held>, CaptureError> {
+) -> Result<Result<Vec<(DdlEvent, bool)>, Held>, CatalogError> {
     let now = &drift.now;
     let table = TableName::new(&now.namespace, &now.name).to_string();
     let replicated = |name: &str| {
@@ -308,7 +310,7 @@ async fn added_when_visible<C: Catalog>(
     column: &str,
     type_oid: u32,
     in_stream: bool,
-) -> Result<Option<AddedColumn>, CaptureError> {
+) -> Result<Option<AddedColumn>, CatalogError> {
     let looks = if in_stream { 1 } else { 6 };
     for look in 0..looks {
         if let Some(added) = catalog.added(relation_id, column, type_oid).await? {
@@ -353,7 +355,7 @@ pub async fn complete<C: Catalog>(
     flow: &Flow,
     events: Vec<(String, DdlEvent)>,
     catalog: &mut C,
-) -> Result<Result<Vec<DdlEvent>, Held>, CaptureError> {
+) -> Result<Result<Vec<DdlEvent>, Held>, CatalogError> {
     let mut done = Vec::with_capacity(events.len());
     let mut held = Vec::new();
     let mut relation = String::new();
@@ -402,7 +404,7 @@ async fn event<C: Catalog>(
     table: &str,
     found: &Detected,
     catalog: &mut C,
-) -> Result<Result<(DdlEvent, bool), String>, CaptureError> {
+) -> Result<Result<(DdlEvent, bool), String>, CatalogError> {
     let on = match &found.column {
         Some(c) => format!("{table}.{}", trellara_common::table_name::display_ident(c)),
         None => table.to_owned(),
