@@ -1082,6 +1082,16 @@ impl Batch {
     }
 }
 
+/// Held changes go to the log like the others; each sink holds at them.
+fn say_held<'a>(
+    flow: &str,
+    events: impl IntoIterator<Item = &'a trellara_common::envelope::DdlEvent>,
+) {
+    for event in events.into_iter().filter(|e| !e.held.is_empty()) {
+        tracing::warn!(flow = %flow, change = %event.statement, why = %event.held, "schema change held: it goes to the log, and each sink holds its transaction until the change is accepted (`trellara schema accept`) or the table copied again");
+    }
+}
+
 fn crash(hooks: &dyn CrashHooks, point: CrashPoint) -> Result<(), CaptureError> {
     if hooks.crash_at(point) {
         return Err(CaptureError::Crashed(point));
@@ -1153,10 +1163,9 @@ async fn handle_event<S: Storage>(
             if let (Message::StreamCommit(commit), Some(flow)) = (&message, &config.ddl) {
                 let unfilled = assembler.unfilled(commit.xid);
                 if !unfilled.is_empty() {
-                    match crate::contract::complete(flow, unfilled, &mut **catalog).await? {
-                        Ok(events) => assembler.fill(commit.xid, events),
-                        Err(held) => return Err(CaptureError::SchemaHeld(held)),
-                    }
+                    let events = crate::contract::complete(unfilled, &mut **catalog).await?;
+                    say_held(&flow.name, &events);
+                    assembler.fill(commit.xid, events);
                 }
             }
             if let (Message::Relation(rel), Some(_)) = (&message, &config.ddl)
@@ -1185,17 +1194,14 @@ async fn handle_event<S: Storage>(
                         AssembleOrSink::Sink(e) => e,
                     })?
                 {}
-                match crate::contract::explain(flow, &drift, &mut **catalog).await? {
-                    Ok(events) => {
-                        for (event, _) in &events {
-                            tracing::info!(flow = %flow.name, relation = %drift.relation, change = %event.statement, "schema change accepted: it goes to the log ahead of the rows under it");
-                        }
-                        assembler.accept(drift, events)?;
-                        **repinned += 1;
-                        return Ok(());
-                    }
-                    Err(held) => return Err(CaptureError::SchemaHeld(held)),
+                let events = crate::contract::explain(flow, &drift, &mut **catalog).await?;
+                for (event, _) in events.iter().filter(|(e, _)| e.held.is_empty()) {
+                    tracing::info!(flow = %flow.name, relation = %drift.relation, change = %event.statement, "schema change accepted: it goes to the log ahead of the rows under it");
                 }
+                say_held(&flow.name, events.iter().map(|(e, _)| e));
+                assembler.accept(drift, events)?;
+                **repinned += 1;
+                return Ok(());
             }
             let mut emit = |env: Assembled| batch.take(env, *resume, log, stream, stats, hooks);
             match assembler.handle(message, start.0, &mut emit) {

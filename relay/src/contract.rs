@@ -3,8 +3,11 @@
 //! difference classified and decided under the flow's `schema` config
 //! ([`ddl::plan`]), and, when every one of them is auto-apply, turned
 //! into the [`DdlEvent`]s that go into the log ahead of the table's rows
-//! under the new description. Anything else stops capture before any such
-//! row is logged, naming each change, its decision and the fix.
+//! under the new description. Anything else goes into the log too, as an
+//! event marked held (`DdlEvent.held`: the change, its decision and why):
+//! capture goes on, and each sink holds the transaction at it until the
+//! operator accepts the change (`trellara schema accept`) or copies the
+//! table again.
 //!
 //! Invariants:
 //! * An added column is read from the source catalog, never guessed from
@@ -208,14 +211,15 @@ impl Catalog for SourceCatalog<'_> {
     }
 }
 
-/// The DDL events that explain `drift` on `flow`, when each of its
-/// changes is auto-apply, each with whether its fill waits for the
-/// transaction's commit ([`complete`]); otherwise what holds it.
+/// The DDL events that explain `drift` on `flow`, one per change, each
+/// with whether its fill waits for the transaction's commit
+/// ([`complete`]). A change that is not auto-apply is an event marked
+/// held.
 pub async fn explain<C: Catalog>(
     flow: &Flow,
     drift: &Drift,
     catalog: &mut C,
-) -> Result<Result<Vec<(DdlEvent, bool)>, Held>, CatalogError> {
+) -> Result<Vec<(DdlEvent, bool)>, CatalogError> {
     let now = &drift.now;
     let table = TableName::new(&now.namespace, &now.name).to_string();
     let replicated = |name: &str| {
@@ -224,39 +228,53 @@ pub async fn explain<C: Catalog>(
             .any(|t| TableName::parse(t).is_ok_and(|t| t.to_string() == name))
     };
     if !replicated(&table) && !replicated(&drift.relation) {
-        return Ok(Ok(Vec::new()));
+        return Ok(Vec::new());
     }
     let Some(pinned) = &drift.pinned else {
-        return Ok(Err(Held {
-            relation: drift.relation.clone(),
-            changes: vec![format!(
-                "pinned fingerprint {:#018x}, the source now sends {:#018x}: the pinned description is not known to this log (pinned by an older build, or changed before its first row), so the change cannot be named",
-                drift.pinned_fingerprint, now.fingerprint
-            )],
-            fix: vec![reseed(&flow.name, &table)],
-        }));
+        let what = format!(
+            "pinned fingerprint {:#018x}, the source now sends {:#018x}: the pinned description is not known to this log (pinned by an older build, or changed before its first row), so the change cannot be named",
+            drift.pinned_fingerprint, now.fingerprint
+        );
+        let unnamed = held_event(
+            (drift.pinned_fingerprint, now),
+            DdlKind::Unspecified,
+            None,
+            &what,
+        );
+        return Ok(vec![(unnamed, false)]);
     };
     let mut events = Vec::new();
-    let mut held = Vec::new();
     for found in ddl::diff::diff(pinned, now) {
         let sides = (pinned, now, drift.xid.is_some());
-        match event(flow, sides, &table, &found, catalog).await? {
-            Ok(event) => events.push(event),
-            Err(line) => held.push(line),
-        }
+        events.push(event(flow, sides, &table, &found, catalog).await?);
     }
-    if held.is_empty() {
-        return Ok(Ok(events));
-    }
-    Ok(Err(Held {
-        relation: table.clone(),
-        changes: held,
-        fix: vec![reseed(&flow.name, &table)],
-    }))
+    Ok(events)
 }
 
-/// The fix for a held change while capture stops at it: one-table reseed
-/// and `schema accept` need a following flow.
+/// A change no sink applies on its own: `why` names it, its decision and
+/// the reason.
+fn held_event(
+    (before, now): (u64, &RelationSchema),
+    kind: DdlKind,
+    found: Option<&Detected>,
+    why: &str,
+) -> DdlEvent {
+    DdlEvent {
+        kind: kind as i32,
+        relation_id: now.relation_id,
+        command_tag: "ALTER TABLE".into(),
+        statement: found.map_or_else(|| why.to_owned(), |f| f.what.clone()),
+        fingerprint_before: before,
+        fingerprint_after: now.fingerprint,
+        column: found.and_then(|f| f.column.clone()).unwrap_or_default(),
+        old_name: found.and_then(|f| f.old_name.clone()).unwrap_or_default(),
+        held: why.to_owned(),
+        ..DdlEvent::default()
+    }
+}
+
+/// The fix for a change native capture stops at: a new snapshot, after
+/// the operator made the target match.
 fn reseed(flow: &str, table: &str) -> String {
     format!(
         "review the DDL on {table} at the source, apply what the target needs yourself, then take a new snapshot of the flow: `trellara reseed --flow {flow}`"
@@ -350,70 +368,67 @@ fn judge(what: &str, added: &AddedColumn) -> Result<(DdlKind, Option<String>), S
 
 /// The added columns of a streamed transaction's changes, read from the
 /// catalog now that it committed: each event completed with its fill, or
-/// what holds the transaction.
+/// marked held with why.
 pub async fn complete<C: Catalog>(
-    flow: &Flow,
     events: Vec<(String, DdlEvent)>,
     catalog: &mut C,
-) -> Result<Result<Vec<DdlEvent>, Held>, CatalogError> {
+) -> Result<Vec<DdlEvent>, CatalogError> {
     let mut done = Vec::with_capacity(events.len());
-    let mut held = Vec::new();
-    let mut relation = String::new();
     for (table, mut event) in events {
         let what = format!("column {} added to {table}", event.column);
-        relation = table;
-        match catalog
+        let held = match catalog
             .added_by_name(event.relation_id, &event.column)
             .await?
         {
-            Some(added) if added.type_name != event.type_name => held.push(gone(&what)),
-            None => held.push(gone(&what)),
+            Some(added) if added.type_name != event.type_name => Some(gone(&what)),
+            None => Some(gone(&what)),
             Some(added) => match judge(&what, &added) {
                 Ok((DdlKind::AddNullableColumn, fill)) => {
                     event.fill = fill.map(|v| Value {
                         kind: Some(value::Kind::Text(v)),
                     });
-                    done.push(event);
+                    None
                 }
-                Ok((kind, _)) => held.push(format!(
-                    "{what}: {}, block (destructive-or-ambiguous)",
-                    ddl::kind_name(kind)
-                )),
-                Err(line) => held.push(line),
+                Ok((kind, _)) => {
+                    event.kind = kind as i32;
+                    Some(format!(
+                        "{what}: {}, block (destructive-or-ambiguous)",
+                        ddl::kind_name(kind)
+                    ))
+                }
+                Err(line) => Some(line),
             },
+        };
+        if let Some(held) = held {
+            event.held = held;
         }
+        done.push(event);
     }
-    if held.is_empty() {
-        return Ok(Ok(done));
-    }
-    Ok(Err(Held {
-        relation,
-        changes: held,
-        fix: vec![format!(
-            "review the DDL at the source, apply what the target needs yourself, then take a new snapshot of the flow: `trellara reseed --flow {}`",
-            flow.name
-        )],
-    }))
+    Ok(done)
 }
 
 /// One detected change as its event (and whether its fill waits for the
-/// transaction's commit), or the line that says why it holds.
+/// transaction's commit); marked held with why when no sink applies it.
 async fn event<C: Catalog>(
     flow: &Flow,
     (pinned, now, in_stream): (&RelationSchema, &RelationSchema, bool),
     table: &str,
     found: &Detected,
     catalog: &mut C,
-) -> Result<Result<(DdlEvent, bool), String>, CatalogError> {
+) -> Result<(DdlEvent, bool), CatalogError> {
     let on = match &found.column {
         Some(c) => format!("{table}.{}", trellara_common::table_name::display_ident(c)),
         None => table.to_owned(),
     };
+    let held = |kind: DdlKind, why: String| {
+        Ok((
+            held_event((pinned.fingerprint, now), kind, Some(found), &why),
+            false,
+        ))
+    };
     let Some(mut kind) = found.kind else {
-        return Ok(Err(format!(
-            "{}: outside the eleven kinds, manual-review",
-            found.what
-        )));
+        let why = format!("{}: outside the eleven kinds, manual-review", found.what);
+        return held(DdlKind::Unspecified, why);
     };
     let column = found
         .column
@@ -429,7 +444,7 @@ async fn event<C: Catalog>(
                     (kind, fill) = (k, f);
                     type_name = added.type_name;
                 }
-                Err(line) => return Ok(Err(line)),
+                Err(line) => return held(kind, line),
             },
             // Inside a streamed transaction the column is not committed
             // yet: the catalog is read again at its commit.
@@ -437,7 +452,7 @@ async fn event<C: Catalog>(
                 pending = true;
                 type_name = catalog.type_name(c.type_oid).await?;
             }
-            None => return Ok(Err(gone(&found.what))),
+            None => return held(kind, gone(&found.what)),
         }
     } else if let Some(c) = column {
         type_name = catalog.type_name(c.type_oid).await?;
@@ -451,7 +466,7 @@ async fn event<C: Catalog>(
     if contract.decision != Decision::AutoApply.as_str() {
         let staged = flow.schema.apply_mode == ApplyMode::Staged
             && contract.decision == Decision::StageThenApply.as_str();
-        return Ok(Err(format!(
+        let why = format!(
             "{} on {on}: {} ({}){}",
             ddl::kind_name(kind),
             contract.decision,
@@ -461,7 +476,8 @@ async fn event<C: Catalog>(
             } else {
                 ""
             }
-        )));
+        );
+        return held(kind, why);
     }
     let statement = match (kind, column) {
         (DdlKind::AddNullableColumn, Some(c)) => format!(
@@ -481,7 +497,7 @@ async fn event<C: Catalog>(
         ),
         (_, None) => found.what.clone(),
     };
-    Ok(Ok((
+    Ok((
         DdlEvent {
             kind: kind as i32,
             relation_id: now.relation_id,
@@ -496,7 +512,8 @@ async fn event<C: Catalog>(
                 kind: Some(value::Kind::Text(v)),
             }),
             old_name: found.old_name.clone().unwrap_or_default(),
+            held: String::new(),
         },
         pending,
-    )))
+    ))
 }

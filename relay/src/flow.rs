@@ -151,6 +151,19 @@ impl FlowError {
         }
     }
 
+    /// The commit a sink holds at: a schema change no sink applies on its
+    /// own, until `schema accept` (or a new snapshot) releases it.
+    pub fn held_at(&self) -> Option<Lsn> {
+        match self {
+            FlowError::Apply(ApplyError::Quarantined {
+                commit_lsn,
+                held: Some(_),
+                ..
+            }) => Some(*commit_lsn),
+            _ => None,
+        }
+    }
+
     /// The log error that ended the round, however deep it was wrapped.
     fn log_cause(&self) -> Option<&crate::log::Error> {
         use crate::transport::TransportError;
@@ -1077,6 +1090,12 @@ async fn run_round<W: Watch>(
         droppable: &droppable,
     };
     let first_retries = follow && target_lock.is_some() && flow.sinks().len() > 1;
+    // Held at a schema change, the only sink waits for it on its own while
+    // capture goes on (the source's WAL follows the log, not the sink).
+    let first_holds = follow
+        && target_lock.is_some()
+        && role == Role::Both
+        && matches!(flow.transport, crate::config::Transport::Local { .. });
     let (shared, log, stage_ref, observe_ref) = (&shared, &log, &mut stage, observe.as_ref());
     let (begun, droppable, first_observe) = (&begun, &droppable, observe.clone());
     let apply = move |captured: tokio::sync::watch::Receiver<bool>| {
@@ -1088,7 +1107,7 @@ async fn run_round<W: Watch>(
             droppable,
             hooks: &crate::crash::NoCrash,
         };
-        let ends = (first_retries, captured);
+        let ends = (first_retries, first_holds, captured);
         apply_part(stage_ref, (shared, log), signals, first_observe, ends)
     };
     // Following is capture's to say, once its session streams (external)
@@ -1203,18 +1222,19 @@ impl Capture<'_> {
 /// role's publishing) on the log until capture ended and it took all.
 /// `first_retries`: following with several sinks under the flow's lock
 /// this process holds, the first one's failure ends only its own part,
-/// which follows again on its own until `captured`.
+/// which follows again on its own until `captured`. `first_holds`: so
+/// does a hold at a schema change, whatever the number of sinks.
 async fn apply_part(
     stage: &mut Stage,
     (shared, log): (&sinks::Shared<'_>, &Log<FsStorage>),
     signals: Signals<'_>,
     observe: Option<Observer>,
-    (first_retries, captured): (bool, tokio::sync::watch::Receiver<bool>),
+    (first_retries, first_holds, captured): (bool, bool, tokio::sync::watch::Receiver<bool>),
 ) -> Result<(ApplyStats, Option<sinks::SinkOutcome>), FlowError> {
     let flow = shared.flow;
     match stage.run(log, &flow.name, signals).await {
         // Capture and the others go on while it retries on its own.
-        Err(e) if first_retries => {
+        Err(e) if first_retries || (first_holds && e.held_at().is_some()) => {
             tracing::warn!(flow = %flow.name, error = %crate::errors::chain_of(&e), "the first sink's apply ended; it follows again on its own, the flow's other sinks go on");
             let first = flow
                 .first_sink()

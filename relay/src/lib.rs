@@ -5,6 +5,7 @@
 //! ([`flow`]). The config model is shared with the grader
 //! ([`config`], from `trellara-common`).
 
+pub mod accept;
 pub mod apply;
 pub mod capture;
 pub mod cli;

@@ -36,6 +36,9 @@ pub enum FlowState {
     Following,
     /// A database went away; following again after a wait.
     Retrying,
+    /// The sink holds at a schema change no sink applies on its own (see
+    /// `last_error`), until the operator accepts it; capture goes on.
+    Held,
     /// Ended: drained after SIGTERM, or stopped by an error that needs
     /// someone (see `last_error`).
     Stopped,
@@ -206,6 +209,7 @@ fn state_name(state: FlowState) -> &'static str {
         FlowState::Snapshotting => "snapshotting",
         FlowState::Following => "following",
         FlowState::Retrying => "retrying",
+        FlowState::Held => "held",
         FlowState::Stopped => "stopped",
     }
 }

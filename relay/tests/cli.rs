@@ -542,7 +542,8 @@ fn reseed_refuses_a_fence_timeout_without_a_table() {
 /// (its URLs name a host that does not exist and are never resolved):
 /// the flow's mode unless `--apply-mode` says otherwise, a rename held
 /// until its mapping, a drop blocked with its fixes; bad input refused
-/// with the form to use. `schema accept` says it is not built.
+/// with the form to use; so is `schema accept` with a table name SQL
+/// would not read.
 #[test]
 fn schema_ddl_plan_prints_the_contract_and_touches_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -627,7 +628,14 @@ fn schema_ddl_plan_prints_the_contract_and_touches_nothing() {
         code == Some(1) && err.contains("drop_column:public.orders.COLUMN"),
         "{err}"
     );
-    let accept = trellara_in(dir.path(), &["schema", "accept", "--flow", "shop"], &[]);
+    // A table name SQL would not read is named before anything connects.
+    let accept = trellara_in(
+        dir.path(),
+        &["schema", "accept", "--flow", "shop", "--table", "public."],
+        &[],
+    );
     assert_eq!(accept.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&accept.stderr).contains("is not built yet"));
+    let err = String::from_utf8_lossy(&accept.stderr);
+    assert!(err.contains("--table \"public.\""), "{err}");
+    assert!(!err.contains("nowhere.invalid"), "{err}");
 }

@@ -776,7 +776,8 @@ fn schema_changes_apply_with_their_rows_or_hold_naming_the_fix() {
                 .psql_value("SELECT count(*) FROM trellara.schema_changes WHERE flow = 'shop'"),
             "4"
         );
-        // A destructive change holds before any row under it is logged.
+        // A destructive change is logged, and the sink holds the
+        // transaction at it, naming the fix.
         p.source.psql(
             "ALTER TABLE public.orders DROP COLUMN region;
              INSERT INTO public.orders VALUES (102, 'c', 0, 'paid');",
@@ -789,7 +790,9 @@ fn schema_changes_apply_with_their_rows_or_hold_naming_the_fix() {
             "{major}: {err}"
         );
         assert!(
-            err.contains("trellara reseed --flow shop`"),
+            err.contains(
+                "`trellara schema accept --config trellara.yml --flow shop --table public.orders`"
+            ),
             "{major}: {err}"
         );
         assert_eq!(
@@ -799,9 +802,159 @@ fn schema_changes_apply_with_their_rows_or_hold_naming_the_fix() {
             "{major}: no row under the new schema landed"
         );
         assert_eq!(
+            p.target.psql_value(
+                "SELECT held_table FROM trellara.quarantine WHERE flow = 'shop' AND resolved_at IS NULL"
+            ),
+            "public.orders",
+            "{major}"
+        );
+        // Done on the target and accepted, the sink goes on from there.
+        p.target
+            .psql("ALTER TABLE public.orders DROP COLUMN region");
+        let out = ok(
+            &trellara(
+                d,
+                &[
+                    "schema",
+                    "accept",
+                    "--config",
+                    "trellara.yml",
+                    "--table",
+                    "public.orders",
+                ],
+            ),
+            "schema accept",
+        );
+        assert!(
+            out.contains("accepted the held change on public.orders"),
+            "{major}: {out}"
+        );
+        let out = run_verify(d, "run after the accept");
+        assert!(out.contains("CONVERGED"), "{major}: {out}");
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT count(*) FROM trellara.quarantine WHERE flow = 'shop' AND resolved_at IS NULL"
+            ),
+            "0",
+            "{major}: the applied transaction resolved its record"
+        );
+        assert_eq!(
             p.target
-                .psql_value("SELECT kind FROM trellara.flow_stops WHERE flow = 'shop'"),
-            "schema_change",
+                .psql_value("SELECT count(*) FROM public.orders WHERE id = 102"),
+            "1",
+            "{major}"
+        );
+    });
+}
+
+/// A change no sink applies on its own, under `run --follow`: capture
+/// goes on (the slot follows the log past it, so the source keeps no WAL
+/// for the sink) while the sink holds at it; `schema accept` refuses
+/// until the target matches, then the sink goes on by itself.
+#[test]
+fn a_held_change_holds_its_sink_while_capture_goes_on_until_accepted() {
+    on_every_major(|major| {
+        let Some(p) = pair(major) else {
+            return;
+        };
+        let d = p.dir.path();
+        workload(&p.source, 1, 5);
+        let log = std::fs::File::create(d.join("follow.log")).expect("log file");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_trellara"))
+            .current_dir(d)
+            .args(["run", "--config", "trellara.yml", "--local", "--follow"])
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn run --follow");
+        let wait_for = |sql: &str, want: &str| {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            loop {
+                let got = p.target.psql_value(sql);
+                if got == want {
+                    return;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{major}: {sql} is {got}, never {want}"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        };
+        wait_for("SELECT count(*) FROM public.orders", "5");
+        p.source.psql(
+            "ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7;
+             INSERT INTO public.orders VALUES (100, 'c', 0, 8);",
+        );
+        workload(&p.source, 200, 3);
+        let after = p.source.psql_value("SELECT pg_current_wal_lsn()");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let confirmed = p.source.psql_value(&format!(
+                "SELECT confirmed_flush_lsn >= '{after}' FROM pg_replication_slots WHERE slot_name = 'trellara_shop'"
+            ));
+            if confirmed == "t" {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{major}: the slot stayed below {after} behind the held sink"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        wait_for(
+            "SELECT held_table FROM trellara.quarantine WHERE flow = 'shop' AND resolved_at IS NULL",
+            "public.orders",
+        );
+        assert_eq!(
+            p.target.psql_value("SELECT count(*) FROM public.orders"),
+            "5",
+            "{major}: nothing from the held transaction on"
+        );
+        let accept = [
+            "schema",
+            "accept",
+            "--config",
+            "trellara.yml",
+            "--table",
+            "public.orders",
+        ];
+        let err = fails(&trellara(d, &accept), 1);
+        assert!(err.contains("missing column code"), "{major}: {err}");
+        p.target
+            .psql("ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7");
+        // The sink met it again on its own and now waits for the accept.
+        wait_for(
+            "SELECT attempts >= 2 FROM trellara.quarantine WHERE flow = 'shop' AND resolved_at IS NULL",
+            "t",
+        );
+        ok(&trellara(d, &accept), "schema accept");
+        wait_for("SELECT count(*) FROM public.orders", "9");
+        assert!(
+            child.try_wait().expect("poll").is_none(),
+            "{major}: the follower kept running"
+        );
+        let status = terminate(&mut child);
+        let said = std::fs::read_to_string(d.join("follow.log")).unwrap_or_default();
+        assert!(
+            status.success(),
+            "{major}: exit 0 on SIGTERM: {status}\n{said}"
+        );
+        assert!(
+            said.contains("is quarantined: schema change on public.orders held")
+                && said.contains("the sink holds at a schema change until it is accepted"),
+            "{major}: {said}"
+        );
+        let out = ok(
+            &trellara(d, &["verify", "--config", "trellara.yml"]),
+            "verify",
+        );
+        assert!(out.contains("shop CONVERGED"), "{major}: {out}");
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT string_agg(kind || ' ' || outcome, ',' ORDER BY kind) FROM trellara.schema_changes WHERE flow = 'shop'"
+            ),
+            "accepted already_present,add_not_null_column already_present",
             "{major}"
         );
     });

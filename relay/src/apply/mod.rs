@@ -51,6 +51,9 @@ pub enum ApplyError {
         commit_lsn: Lsn,
         reason: String,
         recovery: String,
+        /// Held at a schema change on this table: released by `schema
+        /// accept`, so a following sink waits for it.
+        held: Option<String>,
     },
     #[error("target database")]
     Target(#[from] TargetError),
@@ -103,6 +106,21 @@ pub enum Refusal {
     /// The records being applied could not be made durable (a poisoned
     /// log): the transaction must not commit.
     Undurable(Box<ApplyError>),
+    /// A schema change capture did not accept (`DdlEvent.held`) and the
+    /// operator has not accepted on this target: quarantine the
+    /// transaction as held at it.
+    Held(Box<Hold>),
+}
+
+/// A transaction held at a schema change no sink applies on its own.
+#[derive(Debug)]
+pub struct Hold {
+    /// The change, its decision and why, as capture named it.
+    pub reason: String,
+    pub table: String,
+    /// The table's description after the change (an encoded
+    /// RelationSchema), which `schema accept` checks the target against.
+    pub schema: Vec<u8>,
 }
 
 /// Where the checkpoint moves: the last applied transaction of a target
@@ -908,6 +926,9 @@ impl<T: Target> Applier<T> {
                 Err(Refusal::Data(reason)) => {
                     return Err(ApplyError::Target(TargetError::Durability(reason)));
                 }
+                Err(Refusal::Held(hold)) => {
+                    return Err(ApplyError::Target(TargetError::Durability(hold.reason)));
+                }
                 Err(Refusal::Crashed(point)) => return Err(ApplyError::Crashed(point)),
                 Err(Refusal::Undurable(e)) => return Err(*e),
             };
@@ -1055,7 +1076,7 @@ impl<T: Target> Applier<T> {
                     self.config_path, self.flow
                 );
                 return Err(self
-                    .quarantine_with(Lsn(commit_lsn), 0, reason, &payload, recovery)
+                    .quarantine_with(Lsn(commit_lsn), 0, reason, &payload, recovery, None)
                     .await?);
             }
             if fenced {
@@ -1141,7 +1162,19 @@ impl<T: Target> Applier<T> {
                     .quarantine(Lsn(txn.commit_lsn), xid, reason, &bytes)
                     .await?);
             }
-            Err(Refusal::Data(_)) => {}
+            Err(Refusal::Held(hold)) if single => {
+                let txn = &batch[0];
+                let bytes = txn
+                    .envelopes
+                    .first()
+                    .and_then(|e| envelope::encode(e).ok())
+                    .unwrap_or_default();
+                let xid = txn.envelopes.first().map_or(0, |e| e.xid);
+                return Err(self
+                    .quarantine_held(Lsn(txn.commit_lsn), xid, *hold, &bytes)
+                    .await?);
+            }
+            Err(Refusal::Data(_) | Refusal::Held(_)) => {}
         }
         for txn in batch {
             if Box::pin(self.apply_batch(log, std::slice::from_ref(txn), stats, hooks)).await? {
@@ -1173,8 +1206,36 @@ impl<T: Target> Applier<T> {
             "fix the cause named above at the target (or the config), then rerun `trellara run --config {} --flow {}`: the quarantined transaction is retried first; `trellara verify --config {} --flow {}` afterwards",
             self.config_path, self.flow, self.config_path, self.flow
         );
-        self.quarantine_with(commit_lsn, xid, reason, envelope, recovery)
+        self.quarantine_with(commit_lsn, xid, reason, envelope, recovery, None)
             .await
+    }
+
+    /// Quarantines a transaction held at a schema change: its record names
+    /// the table and the description `schema accept` checks.
+    async fn quarantine_held(
+        &mut self,
+        commit_lsn: Lsn,
+        xid: u64,
+        hold: Hold,
+        envelope: &[u8],
+    ) -> Result<ApplyError, ApplyError> {
+        let (config, flow, table) = (&self.config_path, &self.flow, &hold.table);
+        let recovery = format!(
+            "apply the change on the target yourself, then `trellara schema accept --config {config} --flow {flow} --table {table}`: this sink goes on from the held transaction (a following one by itself, within seconds); or copy every table again: `trellara reseed --config {config} --flow {flow}`"
+        );
+        let reason = format!(
+            "schema change on {table} held: {}; no sink applies it on its own",
+            hold.reason
+        );
+        self.quarantine_with(
+            commit_lsn,
+            xid,
+            reason,
+            envelope,
+            recovery,
+            Some((&hold.table, &hold.schema)),
+        )
+        .await
     }
 
     /// [`quarantine`](Self::quarantine) with its own recovery.
@@ -1185,6 +1246,7 @@ impl<T: Target> Applier<T> {
         reason: String,
         envelope: &[u8],
         recovery: String,
+        held: Option<(&str, &[u8])>,
     ) -> Result<ApplyError, ApplyError> {
         // The record is written outside any data transaction.
         self.close_opened().await;
@@ -1196,6 +1258,7 @@ impl<T: Target> Applier<T> {
                 reason: &reason,
                 recovery: &recovery,
                 envelope,
+                held,
             })
             .await?;
         tracing::error!(flow = %self.flow, commit_lsn = %commit_lsn, xid, reason = %reason, "transaction quarantined");
@@ -1208,6 +1271,7 @@ impl<T: Target> Applier<T> {
             commit_lsn,
             reason,
             recovery,
+            held: held.map(|(table, _)| table.to_owned()),
         })
     }
 
@@ -1570,6 +1634,12 @@ impl<T: Target> Applier<T> {
                 self.target.rollback().await;
                 Err(self
                     .quarantine(Lsn(commit), xid, reason, &first_bytes)
+                    .await?)
+            }
+            Refusal::Held(hold) => {
+                self.target.rollback().await;
+                Err(self
+                    .quarantine_held(Lsn(commit), xid, *hold, &first_bytes)
                     .await?)
             }
         }

@@ -148,6 +148,49 @@ fn quote_ident(name: &str) -> String {
 }
 
 impl PgTarget {
+    /// The sink's acknowledgement of `change` and the table's new pin, in
+    /// the open transaction; cached descriptions and statements are of the
+    /// old table.
+    async fn acknowledge(
+        &mut self,
+        change: &SchemaChange<'_>,
+        outcome: &str,
+    ) -> Result<(), Refusal> {
+        let (relation, ddl) = (change.relation, change.ddl);
+        self.tables.remove(&qualified(relation));
+        self.statements.clear();
+        let table = change.table();
+        let kind = trellara_common::ddl::kind_name(change.kind());
+        let commit = change.commit_lsn.to_string();
+        let (before, after) = (ddl.fingerprint_before as i64, ddl.fingerprint_after as i64);
+        self.client
+            .execute(
+                crate::state::schema::ACKNOWLEDGE,
+                &[
+                    &change.flow,
+                    &change.barrier_id(),
+                    &table,
+                    &kind,
+                    &commit,
+                    &change.statement(),
+                    &before,
+                    &after,
+                    &outcome,
+                ],
+            )
+            .await?;
+        self.client
+            .execute(
+                crate::state::schema::REPIN,
+                &[&change.flow, &table, &after, &{
+                    use prost::Message as _;
+                    relation.encode_to_vec()
+                }],
+            )
+            .await?;
+        Ok(())
+    }
+
     pub fn new(client: Client) -> Self {
         PgTarget {
             client: Arc::new(client),
@@ -754,6 +797,20 @@ impl Target for PgTarget {
         self.open().await?;
         let relation = change.relation;
         let ddl = change.ddl;
+        if !ddl.held.is_empty() {
+            let (table, commit) = (change.table(), change.commit_lsn.to_string());
+            let client = self.client.as_ref();
+            if !crate::state::schema::accepted(client, change.flow, &table, &commit).await? {
+                use prost::Message as _;
+                return Err(Refusal::Held(Box::new(super::Hold {
+                    reason: ddl.held.clone(),
+                    table,
+                    schema: relation.encode_to_vec(),
+                })));
+            }
+            // The operator made the target match and said so: no DDL.
+            return self.acknowledge(change, "already_present").await;
+        }
         let qualified = qualified(relation);
         let column = quote_ident(&ddl.column);
         // The type as this target names it: resolved in its own catalog,
@@ -845,44 +902,12 @@ impl Target for PgTarget {
         if let Some(alter) = &alter {
             self.alter_waiting(alter).await?;
         }
-        // Cached descriptions and statements are of the old table.
-        self.tables.remove(&qualified);
-        self.statements.clear();
-        let table = change.table();
-        let kind = trellara_common::ddl::kind_name(change.kind());
-        let commit = change.commit_lsn.to_string();
         let outcome = if alter.is_some() {
             "applied"
         } else {
             "already_present"
         };
-        let (before, after) = (ddl.fingerprint_before as i64, ddl.fingerprint_after as i64);
-        self.client
-            .execute(
-                crate::state::schema::ACKNOWLEDGE,
-                &[
-                    &change.flow,
-                    &change.barrier_id(),
-                    &table,
-                    &kind,
-                    &commit,
-                    &change.statement(),
-                    &before,
-                    &after,
-                    &outcome,
-                ],
-            )
-            .await?;
-        self.client
-            .execute(
-                crate::state::schema::REPIN,
-                &[&change.flow, &table, &after, &{
-                    use prost::Message as _;
-                    relation.encode_to_vec()
-                }],
-            )
-            .await?;
-        Ok(())
+        self.acknowledge(change, outcome).await
     }
 
     async fn copied_tables(

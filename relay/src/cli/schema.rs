@@ -1,8 +1,9 @@
 //! `trellara schema ddl-plan`: the propagation contract of a schema change
 //! (trellara_common::ddl), printed from the config alone; it connects to
-//! nothing. `schema accept` is not built yet.
+//! nothing. `trellara schema accept`: releases the sinks held at a change
+//! on one table once their targets match it (crate::accept).
 
-use super::{Format, NotBuilt};
+use super::Format;
 use crate::config::{self, ApplyMode};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,8 +35,23 @@ enum SchemaCommand {
         #[arg(long, value_enum, default_value_t)]
         format: Format,
     },
-    /// Accept a held schema change once it is applied on the target.
-    Accept(NotBuilt),
+    /// Release the sinks held at a schema change on one table, once the
+    /// change is applied on their targets.
+    Accept {
+        #[arg(long, default_value = "trellara.yml")]
+        config: PathBuf,
+        /// The flow (needed when the config has several).
+        #[arg(long)]
+        flow: Option<String>,
+        /// The table the held change is on, schema.table.
+        #[arg(long)]
+        table: String,
+        /// Only this sink (default: every sink that holds the change).
+        #[arg(long)]
+        sink: Option<String>,
+        #[arg(long, value_enum, default_value_t)]
+        format: Format,
+    },
 }
 
 /// `--apply-mode`, as config's `schema.apply_mode` spells it.
@@ -69,15 +85,7 @@ pub fn run(args: SchemaArgs) -> anyhow::Result<ExitCode> {
             let change: Change = change.parse()?;
             let loaded = config::load(&config)?;
             let flows = super::flow::flows(&loaded, flow.as_deref())?;
-            if flows.len() > 1 {
-                let names: Vec<&str> = flows.iter().map(|(_, f)| f.name.as_str()).collect();
-                anyhow::bail!(
-                    "the config has {} flows: say which the change is on\nhint: --flow takes one of: {}",
-                    flows.len(),
-                    names.join(", ")
-                );
-            }
-            let (_, f) = flows[0];
+            let (_, f) = one_flow(&flows)?;
             let contract = ddl::plan(f, &change, apply_mode.map(ApplyMode::from));
             match format {
                 Format::Json => outln!("{}", serde_json::to_string_pretty(&contract)?),
@@ -85,11 +93,64 @@ pub fn run(args: SchemaArgs) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        SchemaCommand::Accept(_) => Err(super::not_built(
-            "schema accept",
-            "the schema contracts issue (its part 4)",
-        )),
+        SchemaCommand::Accept {
+            config,
+            flow,
+            table,
+            sink,
+            format,
+        } => {
+            let table = trellara_common::table_name::TableName::parse(&table)
+                .map_err(|e| anyhow::anyhow!("--table {table:?}: {e}"))?;
+            let loaded = config::load(&config)?;
+            let flows = super::flow::flows(&loaded, flow.as_deref())?;
+            let (index, f) = one_flow(&flows)?;
+            let config_path = config.display().to_string();
+            let released = super::flow::runtime()?.block_on(crate::accept::accept(
+                (f, index, &config_path),
+                &table,
+                sink.as_deref(),
+            ))?;
+            match format {
+                Format::Json => outln!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({
+                        "flow": f.name,
+                        "table": table.to_string(),
+                        "released": released,
+                    }))?
+                ),
+                Format::Text => {
+                    for r in &released {
+                        outln!(
+                            "accepted the held change on {table} for sink {} (held transaction {}): its target has the table's {} columns",
+                            r.sink,
+                            r.commit_lsns.join(", "),
+                            r.columns
+                        );
+                    }
+                    outln!(
+                        "the sink goes on from the held transaction: a following run within seconds, otherwise at its next `trellara run --config {config_path} --flow {}`",
+                        f.name
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     }
+}
+
+/// The one flow a schema command is about.
+fn one_flow<'a>(flows: &[(usize, &'a config::Flow)]) -> anyhow::Result<(usize, &'a config::Flow)> {
+    if flows.len() > 1 {
+        let names: Vec<&str> = flows.iter().map(|(_, f)| f.name.as_str()).collect();
+        anyhow::bail!(
+            "the config has {} flows: say which the change is on\nhint: --flow takes one of: {}",
+            flows.len(),
+            names.join(", ")
+        );
+    }
+    Ok(flows[0])
 }
 
 fn print(c: &Contract) {

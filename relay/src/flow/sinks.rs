@@ -9,7 +9,10 @@
 //! * A sink never stops the flow or another sink: its error ends its own
 //!   round only. Following, a retryable one is retried after a backoff; a
 //!   permanent one (a quarantine, a refused check) leaves it stopped, in
-//!   /healthz and the run's closing lines, until the next start.
+//!   /healthz and the run's closing lines, until the next start. One held
+//!   at a schema change waits, `held` in /healthz, until `schema accept`
+//!   (or a new snapshot) releases it, then goes on from that transaction:
+//!   capture and the log go on meanwhile.
 //! * A sink's cursor exists before its boundary is taken, so every
 //!   transaction committing after the boundary is in the log past it.
 //! * A sink whose cursor is missing (a new log, or one dropped past the
@@ -128,6 +131,20 @@ pub async fn run(
             delay = shared.tuning.retry_first;
             unknown = 0;
         }
+        if shared.follow
+            && !*captured.borrow()
+            && let Some(at) = e.held_at()
+        {
+            tracing::warn!(flow = %shared.flow.name, sink = %sink.name, error = %crate::errors::chain_of(&e), "the sink holds at a schema change until it is accepted; capture and the flow's other sinks go on");
+            health(FlowState::Held, Some(&e));
+            if !released(shared, sink, at, captured.clone()).await {
+                outcome.error = Some(e);
+                return outcome;
+            }
+            tracing::info!(flow = %shared.flow.name, sink = %sink.name, commit_lsn = %at, "the schema change was released: the sink goes on from its transaction");
+            delay = shared.tuning.retry_first;
+            continue;
+        }
         unknown = if e.unknown() { unknown + 1 } else { 0 };
         // Dropped past the cap while it applied: the next round copies.
         let dropped = shared.log.cursor(&cursor).is_none();
@@ -146,6 +163,43 @@ pub async fn run(
             _ = captured.wait_for(|done| *done) => {}
         }
         delay = (delay * 2).min(shared.tuning.retry_max);
+    }
+}
+
+/// Waits until the hold at `at` is released on the sink's target (true),
+/// or capture ended (false). The target is asked every two seconds, on a
+/// session of its own; one that cannot be reached is asked again.
+async fn released(
+    shared: &Shared<'_>,
+    sink: SinkRef<'_>,
+    at: trellara_common::Lsn,
+    mut captured: tokio::sync::watch::Receiver<bool>,
+) -> bool {
+    let mut target = None;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+            _ = captured.wait_for(|done| *done) => return false,
+        }
+        if target
+            .as_ref()
+            .is_none_or(tokio_postgres::Client::is_closed)
+        {
+            let Ok(url) = sink_url(shared.flow, shared.index, sink) else {
+                return false;
+            };
+            target = connect(&url, "target").await.ok();
+        }
+        if let Some(client) = &target {
+            match state::quarantine::released(client, &shared.flow.name, at).await {
+                Ok(true) => return true,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not read the hold; asked again");
+                    target = None;
+                }
+            }
+        }
     }
 }
 

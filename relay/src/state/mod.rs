@@ -126,6 +126,21 @@ DO $$ BEGIN
         ALTER TABLE trellara.checkpoints ADD COLUMN fence_lsn pg_lsn;
     END IF;
 END $$;
+-- A transaction held at a schema change no sink applies on its own: the
+-- table, and its description after the change (an encoded RelationSchema)
+-- that `schema accept` checks the target against. NULL: not a hold.
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                   WHERE table_schema = 'trellara' AND table_name = 'quarantine'
+                     AND column_name = 'held_table') THEN
+        ALTER TABLE trellara.quarantine ADD COLUMN held_table text;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                   WHERE table_schema = 'trellara' AND table_name = 'quarantine'
+                     AND column_name = 'held_schema') THEN
+        ALTER TABLE trellara.quarantine ADD COLUMN held_schema bytea;
+    END IF;
+END $$;
 -- Why a flow's last run stopped when it needs someone (schema drift, a
 -- lost slot, a record of another source); cleared by a run that ends well.
 CREATE TABLE IF NOT EXISTS trellara.flow_stops (
@@ -214,7 +229,9 @@ pub async fn forget(client: &Client, flow: &str) -> Result<(), tokio_postgres::E
 
 /// The columns [`SCHEMA`] adds to a table an older build made, as
 /// (table, column).
-const ADDED_COLUMNS: [(&str, &str); 5] = [
+const ADDED_COLUMNS: [(&str, &str); 7] = [
+    ("trellara.quarantine", "held_table"),
+    ("trellara.quarantine", "held_schema"),
     ("trellara.snapshot_tables", "fingerprint"),
     ("trellara.snapshot_tables", "pinned_schema"),
     ("trellara.snapshot_tables", "boundary_lsn"),

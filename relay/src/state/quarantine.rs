@@ -1,6 +1,9 @@
 //! `trellara.quarantine`: transactions the applier could not apply, kept
 //! whole (their envelope) with the reason and the recovery, until a later
-//! apply of the same transaction or a new snapshot resolves them.
+//! apply of the same transaction or a new snapshot resolves them. A
+//! transaction held at a schema change also names the table and its
+//! description after the change, which `schema accept` checks the target
+//! against before it releases the hold.
 
 use tokio_postgres::GenericClient;
 
@@ -12,6 +15,8 @@ pub struct Quarantined {
     pub reason: String,
     pub recovery: String,
     pub attempts: i32,
+    /// Held at a schema change on this table.
+    pub held_table: Option<String>,
 }
 
 /// The flow's unresolved records, oldest commit first.
@@ -21,7 +26,7 @@ pub async fn open(
 ) -> Result<Vec<Quarantined>, tokio_postgres::Error> {
     let rows = client
         .query(
-            "SELECT commit_lsn::text, xid, reason, recovery, attempts FROM trellara.quarantine
+            "SELECT commit_lsn::text, xid, reason, recovery, attempts, held_table FROM trellara.quarantine
              WHERE flow = $1 AND resolved_at IS NULL ORDER BY commit_lsn",
             &[&flow],
         )
@@ -34,6 +39,7 @@ pub async fn open(
             reason: r.get(2),
             recovery: r.get(3),
             attempts: r.get(4),
+            held_table: r.get(5),
         })
         .collect())
 }
@@ -63,6 +69,9 @@ pub struct Record<'a> {
     pub reason: &'a str,
     pub recovery: &'a str,
     pub envelope: &'a [u8],
+    /// Held at a schema change: the table and its description after it
+    /// (an encoded RelationSchema).
+    pub held: Option<(&'a str, &'a [u8])>,
 }
 
 /// Records (or counts one more attempt at) a quarantined transaction.
@@ -72,10 +81,12 @@ pub async fn record(
 ) -> Result<(), tokio_postgres::Error> {
     client
         .execute(
-            "INSERT INTO trellara.quarantine (flow, commit_lsn, xid, reason, recovery, envelope)
-             VALUES ($1, $2::text::pg_lsn, $3, $4, $5, $6)
+            "INSERT INTO trellara.quarantine (flow, commit_lsn, xid, reason, recovery, envelope, held_table, held_schema)
+             VALUES ($1, $2::text::pg_lsn, $3, $4, $5, $6, $7, $8)
              ON CONFLICT (flow, commit_lsn) DO UPDATE
-             SET reason = EXCLUDED.reason, attempts = trellara.quarantine.attempts + 1, resolved_at = NULL",
+             SET reason = EXCLUDED.reason, recovery = EXCLUDED.recovery,
+                 held_table = EXCLUDED.held_table, held_schema = EXCLUDED.held_schema,
+                 attempts = trellara.quarantine.attempts + 1, resolved_at = NULL",
             &[
                 &record.flow,
                 &record.commit_lsn.to_string(),
@@ -83,6 +94,8 @@ pub async fn record(
                 &record.reason,
                 &record.recovery,
                 &record.envelope,
+                &record.held.map(|(table, _)| table),
+                &record.held.map(|(_, schema)| schema),
             ],
         )
         .await?;
@@ -93,3 +106,57 @@ pub async fn record(
 /// `$1` flow, `$2` their commit LSNs as text.
 pub const RESOLVE: &str = "UPDATE trellara.quarantine SET resolved_at = now()
      WHERE flow = $1 AND commit_lsn = ANY($2::text[]::pg_lsn[]) AND resolved_at IS NULL";
+
+/// An open hold at a schema change on one table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    pub commit_lsn: String,
+    pub reason: String,
+    /// The table's description after the change (an encoded
+    /// RelationSchema).
+    pub schema: Vec<u8>,
+}
+
+/// `flow`'s open holds at schema changes on `table`, oldest first.
+pub async fn holds(
+    client: &impl GenericClient,
+    flow: &str,
+    table: &str,
+) -> Result<Vec<Hold>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT commit_lsn::text, reason, held_schema FROM trellara.quarantine
+             WHERE flow = $1 AND held_table = $2 AND resolved_at IS NULL AND held_schema IS NOT NULL
+             ORDER BY commit_lsn",
+            &[&flow, &table],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| Hold {
+            commit_lsn: r.get(0),
+            reason: r.get(1),
+            schema: r.get(2),
+        })
+        .collect())
+}
+
+/// Whether the record at `commit_lsn` no longer holds its sink: resolved
+/// (a snapshot superseded it), its change accepted
+/// ([`super::schema::accept`]), or gone.
+pub async fn released(
+    client: &impl GenericClient,
+    flow: &str,
+    commit_lsn: trellara_common::Lsn,
+) -> Result<bool, tokio_postgres::Error> {
+    let row = client
+        .query_opt(
+            "SELECT q.resolved_at IS NOT NULL OR q.held_table IS NULL
+                 OR EXISTS (SELECT 1 FROM trellara.schema_changes c
+                            WHERE c.flow = q.flow AND c.barrier_id = 'accepted:' || q.held_table || '@' || q.commit_lsn::text)
+             FROM trellara.quarantine q WHERE q.flow = $1 AND q.commit_lsn = $2::text::pg_lsn",
+            &[&flow, &commit_lsn.to_string()],
+        )
+        .await?;
+    Ok(row.is_none_or(|r| r.get(0)))
+}

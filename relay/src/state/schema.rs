@@ -1,5 +1,7 @@
 //! `trellara.schema_changes`: each schema change a sink applied, or found
-//! its target already had, with its barrier. A row is written in the
+//! its target already had, with its barrier; and each held change the
+//! operator accepted (`schema accept`), under the barrier
+//! `accepted:TABLE@COMMIT` ([`acceptance`]). A row is written in the
 //! target transaction of the change's first rows (the sink's
 //! acknowledgement), and the table's pinned fingerprint in
 //! `trellara.snapshot_tables` moves in that same transaction.
@@ -57,4 +59,53 @@ pub async fn changes(
             acknowledged_at: r.get(6),
         })
         .collect())
+}
+
+/// The barrier under which `schema accept` records the operator's
+/// acceptance of every held change on `table` in the transaction at
+/// `commit_lsn` (text form).
+pub fn acceptance(table: &str, commit_lsn: &str) -> String {
+    format!("accepted:{table}@{commit_lsn}")
+}
+
+/// Records that the operator applied the held changes on `table` of the
+/// transaction at `commit_lsn` on this target (`schema accept`), so the
+/// sink passes them without DDL. `after`: the fingerprint after them; the
+/// one before is the table's pin.
+pub async fn accept(
+    client: &impl GenericClient,
+    flow: &str,
+    table: &str,
+    commit_lsn: &str,
+    reason: &str,
+    after: i64,
+) -> Result<(), tokio_postgres::Error> {
+    client
+        .execute(
+            "INSERT INTO trellara.schema_changes
+                (flow, barrier_id, table_name, kind, commit_lsn, statement, fingerprint_before, fingerprint_after, outcome)
+             VALUES ($1, $2, $3, 'accepted', $4::text::pg_lsn, $5,
+                     coalesce((SELECT fingerprint FROM trellara.snapshot_tables WHERE flow = $1 AND table_name = $3), 0),
+                     $6, 'already_present')
+             ON CONFLICT (flow, barrier_id) DO NOTHING",
+            &[&flow, &acceptance(table, commit_lsn), &table, &commit_lsn, &reason, &after],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Whether the held changes on `table` at `commit_lsn` were accepted.
+pub async fn accepted(
+    client: &impl GenericClient,
+    flow: &str,
+    table: &str,
+    commit_lsn: &str,
+) -> Result<bool, tokio_postgres::Error> {
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM trellara.schema_changes WHERE flow = $1 AND barrier_id = $2)",
+            &[&flow, &acceptance(table, commit_lsn)],
+        )
+        .await?
+        .get(0))
 }
