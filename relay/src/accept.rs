@@ -4,8 +4,8 @@
 //!
 //! Invariants:
 //! * Nothing is recorded unless every held sink's target has each column
-//!   of that description, of a type that takes the source's values
-//!   unchanged, and no column of its own that a row under the new
+//!   of that description, of the source's type with a modifier that takes
+//!   its values unchanged, and no column of its own that a row under the new
 //!   description could not be inserted without (NOT NULL, no default). A
 //!   target that does not match is named with what it lacks.
 //! * The acceptance is one row per held transaction in that target's
@@ -211,7 +211,8 @@ async fn mismatches(
         // A type of the source's own (an enum, a domain) has an OID only
         // the source knows: its name on the target is the operator's.
         if column.type_oid < FIRST_NORMAL_OID
-            && !fits(column.type_oid, column.type_modifier, oid, modifier)
+            && (oid != column.type_oid
+                || !fits(column.type_oid, column.type_modifier, oid, modifier))
         {
             let wanted: String = target
                 .query_one(

@@ -159,8 +159,6 @@ pub enum CaptureError {
     /// them), and their changes to the joined tables are in the copy.
     #[error("the stream reached the join boundary {at}; its session starts again there")]
     Rejoin { at: Lsn },
-    #[error("{0}")]
-    SchemaHeld(crate::contract::Held),
 }
 
 impl CaptureError {

@@ -32,33 +32,6 @@ use trellara_common::table_name::TableName;
 use trellara_external_relay::assembler::Drift;
 use trellara_external_relay::pgwire::{self, Connection};
 
-/// A schema change capture holds instead of logging: the changes, each
-/// with its decision, and what the operator does.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Held {
-    pub relation: String,
-    /// One line per change: `kind on table[.column]: decision (why)`.
-    pub changes: Vec<String>,
-    pub fix: Vec<String>,
-}
-
-impl std::fmt::Display for Held {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "schema change on {} held before any row under it was logged:",
-            self.relation
-        )?;
-        for change in &self.changes {
-            write!(f, "\n  {change}")?;
-        }
-        for (i, fix) in self.fix.iter().enumerate() {
-            write!(f, "\n{}{fix}", if i == 0 { "hint: " } else { "  " })?;
-        }
-        Ok(())
-    }
-}
-
 /// Reads the source catalog for what a Relation message cannot say.
 #[allow(async_fn_in_trait)] // one task; no Send bound needed
 pub trait Catalog {
@@ -273,25 +246,15 @@ fn held_event(
     }
 }
 
-/// The fix for a change native capture stops at: a new snapshot, after
-/// the operator made the target match.
-fn reseed(flow: &str, table: &str) -> String {
-    format!(
-        "review the DDL on {table} at the source, apply what the target needs yourself, then take a new snapshot of the flow: `trellara reseed --flow {flow}`"
-    )
-}
-
-/// A drift on a path that propagates no schema change (native capture):
-/// each change named, none applied.
-pub fn unpropagated(
-    flow: &str,
-    relation: &str,
+/// What changed between `pinned` (fingerprint `pinned_fingerprint`) and
+/// `now` when no event said so (a path that propagates no schema change:
+/// native capture), one line per change.
+pub fn unexplained(
     pinned: Option<&RelationSchema>,
     pinned_fingerprint: u64,
     now: &RelationSchema,
-) -> Held {
-    let table = TableName::new(&now.namespace, &now.name).to_string();
-    let mut changes: Vec<String> = match pinned {
+) -> Vec<String> {
+    match pinned {
         Some(pinned) => ddl::diff::diff(pinned, now)
             .into_iter()
             .map(|d| {
@@ -306,18 +269,9 @@ pub fn unpropagated(
             "pinned fingerprint {pinned_fingerprint:#018x}, the source now sends {:#018x} (the pinned description is not known, so the change cannot be named)",
             now.fingerprint
         )],
-    };
-    changes.push(
-        "native capture does not propagate schema changes yet; the external path (flows[].capture: external) applies the compatible ones".into(),
-    );
-    Held {
-        relation: relation.to_owned(),
-        changes,
-        fix: vec![reseed(flow, &table)],
     }
 }
 
-/// One detected change as its event, or the line that says why it holds.
 /// The added column, waiting a little for its transaction to be visible:
 /// a commit is decoded once its WAL is flushed, before the committing
 /// session ends it (a synchronous standby's confirmation comes between).

@@ -957,20 +957,6 @@ fn stop_of(
                 reseed,
             ],
         )),
-        FlowError::Capture(capture::CaptureError::SchemaHeld(held))
-        | FlowError::NativeRelay(crate::native::NativeError::Capture(
-            capture::CaptureError::SchemaHeld(held),
-        )) => Some((
-            "schema_change",
-            held.to_string(),
-            vec![
-                format!(
-                    "review the DDL on {} at the source and apply what the target needs",
-                    held.relation
-                ),
-                reseed,
-            ],
-        )),
         FlowError::Capture(
             err @ (capture::CaptureError::Invalidated { .. }
             | capture::CaptureError::SlotAhead { .. }
@@ -1178,11 +1164,6 @@ fn start_capture<'a>(
         begun: Arc::clone(&begun),
         floor,
         observe,
-        pins: crate::native::Pins {
-            flow: flow.name.clone(),
-            fingerprints: config.pinned.clone(),
-            schemas: config.schemas.clone(),
-        },
     };
     Ok(Capture {
         flow,
@@ -2004,7 +1985,6 @@ struct NativeRun<'a> {
     /// The target checkpoint's end LSN ([`crate::native::NativeConfig::floor`]).
     floor: Lsn,
     observe: Option<Observer>,
-    pins: crate::native::Pins,
 }
 
 async fn native_capture(
@@ -2020,7 +2000,6 @@ async fn native_capture(
         begun,
         floor,
         observe,
-        pins,
     } = run;
     let socket = set_up_worker(flow, source, log_dir).await?;
     let progress_rx = progress.subscribe();
@@ -2035,7 +2014,6 @@ async fn native_capture(
         observe,
         // run claimed the log when it opened it.
         owner: None,
-        pins: Some(pins),
     };
     let serve = crate::native::serve_on(config, log, stop);
     let start = async {

@@ -62,53 +62,6 @@ pub struct NativeConfig {
     /// The flow that owns the log ([`crate::identity`]): [`serve`] claims
     /// it, or refuses a log of another flow or source.
     pub owner: Option<crate::identity::LogOwner>,
-    /// The descriptions the flow's tables were copied at; `None`: none
-    /// checked (a relay serving a log by hand).
-    pub pins: Option<Pins>,
-}
-
-/// The descriptions every envelope's relations must keep: this path
-/// propagates no schema change yet, so a drift stops capture before the
-/// transaction is logged, naming each change (docs/SCHEMA.md).
-#[derive(Debug, Clone, Default)]
-pub struct Pins {
-    pub flow: String,
-    /// By `namespace.name`.
-    pub fingerprints: std::collections::HashMap<String, u64>,
-    pub schemas: std::collections::HashMap<String, envelope::RelationSchema>,
-}
-
-impl Pins {
-    /// The hold for the first relation of `env` that drifted from its pin.
-    fn check(&self, env: &envelope::Envelope) -> Option<crate::contract::Held> {
-        use trellara_common::table_name::TableName;
-        env.relations.iter().find_map(|r| {
-            let name = TableName::new(&r.namespace, &r.name).to_string();
-            let (pinned_name, fingerprint) = match self.fingerprints.get(&name) {
-                Some(&f) if f == r.fingerprint => return None,
-                Some(&f) => (name, f),
-                None => {
-                    // Pinned under another name: renamed.
-                    let (n, s) = self
-                        .schemas
-                        .iter()
-                        .find(|(_, s)| s.relation_id == r.relation_id)?;
-                    (n.clone(), s.fingerprint)
-                }
-            };
-            let pinned = self
-                .schemas
-                .get(&pinned_name)
-                .filter(|s| s.fingerprint == fingerprint);
-            Some(crate::contract::unpropagated(
-                &self.flow,
-                &pinned_name,
-                pinned,
-                fingerprint,
-                r,
-            ))
-        })
-    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -528,20 +481,6 @@ where
             };
             if let Some(reason) = problem {
                 return Err(reject(config, &mut write, &bytes, &reason, stats).await);
-            }
-            if Lsn(env.commit_lsn) > resume.commit_lsn
-                && let Some(held) = config.pins.as_ref().and_then(|p| p.check(&env))
-            {
-                // What came before it is logged and acknowledged; the held
-                // transaction's earlier chunks are not (the worker resends
-                // it whole to the next session).
-                let held_at = env.commit_lsn;
-                pending.records.retain(|(lsn, _)| *lsn != held_at);
-                pending.bytes = pending.records.iter().map(|(_, b)| b.len()).sum();
-                flush!();
-                return Err(ConnectionError::Fatal(NativeError::Capture(
-                    crate::capture::CaptureError::SchemaHeld(held),
-                )));
             }
             let last_chunk = boundary.chunk_index + 1 >= boundary.chunk_count.max(1);
             tracing::debug!(xid = env.xid, commit_lsn = %Lsn(env.commit_lsn), end_lsn = %Lsn(env.end_lsn), chunk = boundary.chunk_index, duplicate = Lsn(env.commit_lsn) <= resume.commit_lsn, "envelope");

@@ -849,9 +849,10 @@ fn run_with_native_capture_converges() {
     });
 }
 
-/// The native path propagates no schema change yet: a change to a
-/// replicated table stops capture before its transaction is logged, naming
-/// the kind, and a reseed takes the table afresh.
+/// The native path propagates no schema change yet: its rows under a new
+/// description are logged, and the sink holds each transaction that meets
+/// one, naming the change; `schema accept` refuses until the target
+/// matches, then the sink goes on from there.
 #[test]
 fn a_schema_change_on_the_native_path_holds_naming_its_kind() {
     on_every_major(|major| {
@@ -866,18 +867,28 @@ fn a_schema_change_on_the_native_path_holds_naming_its_kind() {
         for side in [&flow.source, &flow.target] {
             side.psql("ALTER TABLE public.orders ADD COLUMN region text");
         }
-        flow.source.psql(
-            "INSERT INTO public.orders VALUES (51, 'before', 1, NULL);
-             ALTER TABLE public.orders ALTER COLUMN qty TYPE bigint;
-             INSERT INTO public.orders VALUES (52, 'after', 1, 'eu');",
-        );
-        let out = flow.run(&["run", "--config", "trellara.yml", "--local"]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{major}: {err}");
+        // Three transactions: each change meets its own.
+        for sql in [
+            "INSERT INTO public.orders VALUES (51, 'before', 1, NULL)",
+            "ALTER TABLE public.orders ALTER COLUMN qty TYPE bigint",
+            "INSERT INTO public.orders VALUES (52, 'after', 1, 'eu')",
+        ] {
+            flow.source.psql(sql);
+        }
+        let run = || {
+            let out = flow.run(&["run", "--config", "trellara.yml", "--local"]);
+            let err = String::from_utf8_lossy(&out.stderr).into_owned();
+            assert_eq!(out.status.code(), Some(1), "{major}: {err}");
+            err
+        };
+        let err = run();
         assert!(
             err.contains("schema change on public.orders held")
                 && err.contains("add_nullable_column: column region added to public.orders")
-                && err.contains("native capture does not propagate schema changes yet"),
+                && err.contains("native capture propagates no schema change yet")
+                && err.contains(
+                    "trellara schema accept --config trellara.yml --flow main --table public.orders"
+                ),
             "{major}: {err}"
         );
         assert_eq!(
@@ -886,16 +897,34 @@ fn a_schema_change_on_the_native_path_holds_naming_its_kind() {
             "0",
             "{major}: nothing under the new schema landed"
         );
+        let accept = [
+            "schema",
+            "accept",
+            "--config",
+            "trellara.yml",
+            "--table",
+            "public.orders",
+        ];
+        // The target has the column already: accepted as it stands.
+        flow.ok(&accept);
+        let err = run();
+        assert!(err.contains("widen_type"), "{major}: {err}");
         assert_eq!(
             flow.target
-                .psql_value("SELECT kind FROM trellara.flow_stops WHERE flow = 'main'"),
-            "schema_change"
+                .psql_value("SELECT string_agg(id::text, ',') FROM public.orders WHERE id > 50"),
+            "51",
+            "{major}: the accepted transaction applied, the next one holds"
         );
-        // The hint's fix: the target already has the column; a new snapshot
-        // pins the new description, and the flow goes on.
+        let out = flow.run(&accept);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.code() == Some(1)
+                && err.contains("column qty is integer on the target, which does not take the source's bigint unchanged"),
+            "{major}: {err}"
+        );
         flow.target
             .psql("ALTER TABLE public.orders ALTER COLUMN qty TYPE bigint");
-        flow.ok(&["reseed", "--config", "trellara.yml", "--flow", "main"]);
+        flow.ok(&accept);
         let again = flow.ok(&["run", "--config", "trellara.yml", "--local", "--verify"]);
         assert!(again.contains("CONVERGED"), "{major}: {again}");
         assert_eq!(

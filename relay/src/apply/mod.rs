@@ -250,6 +250,20 @@ pub trait Target {
     /// Applies the schema change `ddl` to `relation` (its description
     /// after the change) in the open transaction, ahead of its rows, and
     /// records the sink's acknowledgement and the table's new pin there.
+    /// Whether rows of `relation` in the transaction at `commit_lsn` may
+    /// apply under the table's pin on this target: it is the pinned
+    /// description, the table has no pin here, or the operator accepted
+    /// that transaction (the pin then moves to it, in the open
+    /// transaction). Rows under a description no event explained (native
+    /// capture propagates none) are held.
+    async fn keep_pin(
+        &mut self,
+        _flow: &str,
+        _commit_lsn: Lsn,
+        _relation: &RelationSchema,
+    ) -> Result<(), Refusal> {
+        Ok(())
+    }
     async fn apply_ddl(&mut self, change: &SchemaChange<'_>) -> Result<(), Refusal> {
         Err(Refusal::Data(format!(
             "{}: this target does not apply schema changes",
@@ -1656,6 +1670,7 @@ impl<T: Target> Applier<T> {
         pending: &mut Pending<'a>,
     ) -> Result<(), Refusal> {
         let copied = self.in_joined_copy(env).await?;
+        let mut pinned: Vec<u32> = Vec::new();
         for ch in &env.changes {
             let row = match &ch.body {
                 Some(change::Body::Row(row)) => row,
@@ -1698,6 +1713,12 @@ impl<T: Target> Applier<T> {
                         ch.sequence, row.relation_id
                     ))
                 })?;
+            if !pinned.contains(&row.relation_id) {
+                pinned.push(row.relation_id);
+                self.target
+                    .keep_pin(&self.flow, Lsn(env.commit_lsn), relation)
+                    .await?;
+            }
             stats.rows += 1;
             if row.operation == Operation::Truncate as i32 {
                 self.flush_inserts(pending).await?;

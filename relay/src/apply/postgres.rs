@@ -107,7 +107,12 @@ pub struct PgTarget {
     /// the next statement.
     begin_pending: Option<&'static str>,
     copy: Option<OpenCopy>,
+    /// The tables' pins (fingerprint and description) as last read; `None`
+    /// until needed, and again after anything that may have moved one.
+    pins: Option<HashMap<String, TablePin>>,
 }
+
+type TablePin = (u64, Option<trellara_common::envelope::RelationSchema>);
 
 /// A COPY left open for the next run of rows into the same table.
 struct OpenCopy {
@@ -157,6 +162,7 @@ impl PgTarget {
         outcome: &str,
     ) -> Result<(), Refusal> {
         let (relation, ddl) = (change.relation, change.ddl);
+        self.pins = None;
         self.tables.remove(&qualified(relation));
         self.statements.clear();
         let table = change.table();
@@ -198,6 +204,7 @@ impl PgTarget {
             statements: HashMap::new(),
             begin_pending: None,
             copy: None,
+            pins: None,
         }
     }
 
@@ -574,6 +581,8 @@ impl Target for PgTarget {
     async fn rollback(&mut self) {
         // Dropping the sink aborts the COPY (CopyFail).
         self.copy = None;
+        // A pin moved in the transaction moves back.
+        self.pins = None;
         if self.begin_pending.take().is_some() {
             return;
         }
@@ -790,6 +799,69 @@ impl Target for PgTarget {
     async fn quarantine(&mut self, record: &QuarantineRecord<'_>) -> Result<(), TargetError> {
         crate::state::quarantine::record(self.client.as_ref(), record).await?;
         Ok(())
+    }
+
+    async fn keep_pin(
+        &mut self,
+        flow: &str,
+        commit_lsn: Lsn,
+        relation: &RelationSchema,
+    ) -> Result<(), Refusal> {
+        use prost::Message as _;
+        let table = TableName::new(&relation.namespace, &relation.name).to_string();
+        let cached = |pins: &Option<HashMap<String, TablePin>>| {
+            pins.as_ref().map(|p| {
+                p.get(&table)
+                    .is_none_or(|(f, _)| *f == relation.fingerprint)
+            })
+        };
+        if cached(&self.pins) == Some(true) {
+            return Ok(());
+        }
+        // Read again: a join or a reseed may have pinned it since.
+        self.end_copy().await?;
+        let pins = crate::state::runs::tables(self.client.as_ref(), flow)
+            .await?
+            .into_iter()
+            .filter_map(|t| Some((t.name, (t.fingerprint?, t.schema))))
+            .collect();
+        self.pins = Some(pins);
+        if cached(&self.pins) == Some(true) {
+            return Ok(());
+        }
+        let (fingerprint, schema) = self
+            .pins
+            .as_ref()
+            .and_then(|p| p.get(&table))
+            .cloned()
+            .unwrap_or_default();
+        let commit = commit_lsn.to_string();
+        let client = self.client.as_ref();
+        if crate::state::schema::accepted(client, flow, &table, &commit).await? {
+            self.open().await?;
+            self.client
+                .execute(
+                    crate::state::schema::REPIN,
+                    &[
+                        &flow,
+                        &table,
+                        &(relation.fingerprint as i64),
+                        &relation.encode_to_vec(),
+                    ],
+                )
+                .await?;
+            self.pins = None;
+            return Ok(());
+        }
+        let changes = crate::contract::unexplained(schema.as_ref(), fingerprint, relation);
+        Err(Refusal::Held(Box::new(super::Hold {
+            reason: format!(
+                "its rows arrive under a description that no schema event explained (native capture propagates no schema change yet): {}",
+                changes.join("; ")
+            ),
+            table,
+            schema: relation.encode_to_vec(),
+        })))
     }
 
     async fn apply_ddl(&mut self, change: &SchemaChange<'_>) -> Result<(), Refusal> {

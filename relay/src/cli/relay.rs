@@ -92,7 +92,6 @@ pub fn run(args: RelayArgs) -> anyhow::Result<ExitCode> {
             observe: None,
             floor: trellara_common::Lsn::ZERO,
             owner: None,
-            pins: None,
         };
         return serve_native(&runtime, config);
     }

@@ -136,7 +136,6 @@ pub(crate) fn history_with(seed: u64, fault: RelayFault) -> Result<History, Stri
         observe: Some(observer),
         floor: trellara_common::Lsn::ZERO,
         owner: None,
-        pins: None,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
