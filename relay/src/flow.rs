@@ -502,6 +502,24 @@ async fn follow_rounds<W: Watch>(
                 ));
                 current.tables = tables;
             }
+            // Held at a schema change (split services, Kafka): the next
+            // round starts once the change is accepted on the target.
+            Err(e)
+                if !*shutdown.borrow()
+                    && let Some(at) = e.held_at() =>
+            {
+                report(FlowState::Held, Some(&e));
+                progress(&format!(
+                    "{}; the flow holds there until the change is accepted",
+                    crate::errors::chain(&anyhow::Error::new(e))
+                ));
+                let url = target_url(flow, index)?;
+                if !sinks::released(&url, &flow.name, at, shutdown.clone()).await {
+                    return Ok(total);
+                }
+                progress("the schema change was released: following again from its transaction");
+                delay = TUNING.retry_first;
+            }
             Err(e) if e.retryable() && !*shutdown.borrow() => {
                 if started.elapsed() >= TUNING.retry_reset {
                     delay = TUNING.retry_first;

@@ -3394,6 +3394,52 @@ fn split_services_on(major: Major, broker: Option<&trellara_tests::Broker>) {
     assert_eq!(health["service"], "apply", "{health}");
     assert_eq!(health["flows"][0]["state"], "following", "{health}");
 
+    // A change no sink applies on its own: the relay logs on, the applier
+    // holds at it (held, not ready) until the change is accepted.
+    p.source.psql(
+        "ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7;
+         INSERT INTO public.orders VALUES (900, 'c', 0, 8);",
+    );
+    let state = |addr: &str| {
+        let (_, health) = http_get(addr, "/healthz");
+        serde_json::from_str::<serde_json::Value>(&health).expect("healthz is JSON")["flows"][0]
+            ["state"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    wait_until("the applier holds", &|| state(&apply_addr) == "held");
+    assert_eq!(http_get(&apply_addr, "/readyz").0, 503, "{major}");
+    assert_eq!(state(&relay_addr), "following", "{major}: capture goes on");
+    let after = p.source.psql_value("SELECT pg_current_wal_lsn()");
+    wait_until("the slot past the held change", &|| {
+        p.source.psql_value(&format!(
+            "SELECT confirmed_flush_lsn >= '{after}' FROM pg_replication_slots WHERE slot_name = 'trellara_shop'"
+        )) == "t"
+    });
+    p.target
+        .psql("ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7");
+    ok(
+        &trellara(
+            d,
+            &[
+                "schema",
+                "accept",
+                "--config",
+                "trellara.yml",
+                "--table",
+                "public.orders",
+            ],
+        ),
+        "schema accept",
+    );
+    wait_until("the held transaction applied", &|| {
+        p.target.psql_value(orders) == "18"
+    });
+    wait_until("the applier follows again", &|| {
+        state(&apply_addr) == "following"
+    });
+
     // Each part is one process on the target, from any host.
     for (args, part) in [
         (&["apply", "--config", "trellara.yml"][..], "apply"),
@@ -3421,7 +3467,7 @@ fn split_services_on(major: Major, broker: Option<&trellara_tests::Broker>) {
             spawn_service(d, &["apply", "--config", "trellara.yml"]);
         (apply, apply_addr, apply_err) = (again, again_addr, again_err);
         wait_until("applied after the apply service's kill", &|| {
-            p.target.psql_value(orders) == "67"
+            p.target.psql_value(orders) == "68"
         });
         // The relay killed: the apply service follows the log it reopens.
         relay.kill().expect("kill -9 relay");
@@ -3431,7 +3477,7 @@ fn split_services_on(major: Major, broker: Option<&trellara_tests::Broker>) {
             spawn_service(d, &["relay", "--config", "trellara.yml"]);
         (relay, relay_addr, relay_err) = (again, again_addr, again_err);
         wait_until("applied after the relay's kill", &|| {
-            p.target.psql_value(orders) == "77"
+            p.target.psql_value(orders) == "78"
         });
         wait_until("both ready again", &|| {
             http_get(&relay_addr, "/readyz").0 == 200 && http_get(&apply_addr, "/readyz").0 == 200

@@ -137,7 +137,11 @@ pub async fn run(
         {
             tracing::warn!(flow = %shared.flow.name, sink = %sink.name, error = %crate::errors::chain_of(&e), "the sink holds at a schema change until it is accepted; capture and the flow's other sinks go on");
             health(FlowState::Held, Some(&e));
-            if !released(shared, sink, at, captured.clone()).await {
+            let Ok(url) = sink_url(shared.flow, shared.index, sink) else {
+                outcome.error = Some(e);
+                return outcome;
+            };
+            if !released(&url, &shared.flow.name, at, captured.clone()).await {
                 outcome.error = Some(e);
                 return outcome;
             }
@@ -166,32 +170,30 @@ pub async fn run(
     }
 }
 
-/// Waits until the hold at `at` is released on the sink's target (true),
-/// or capture ended (false). The target is asked every two seconds, on a
-/// session of its own; one that cannot be reached is asked again.
-async fn released(
-    shared: &Shared<'_>,
-    sink: SinkRef<'_>,
+/// Waits until `flow`'s hold at `at` is released on the target at `url`
+/// (true), or `stop` is set (false). The target is asked every two
+/// seconds, on a session of its own; one that cannot be reached is asked
+/// again.
+pub(super) async fn released(
+    url: &str,
+    flow: &str,
     at: trellara_common::Lsn,
-    mut captured: tokio::sync::watch::Receiver<bool>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> bool {
     let mut target = None;
     loop {
         tokio::select! {
             () = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
-            _ = captured.wait_for(|done| *done) => return false,
+            _ = stop.wait_for(|done| *done) => return false,
         }
         if target
             .as_ref()
             .is_none_or(tokio_postgres::Client::is_closed)
         {
-            let Ok(url) = sink_url(shared.flow, shared.index, sink) else {
-                return false;
-            };
-            target = connect(&url, "target").await.ok();
+            target = connect(url, "target").await.ok();
         }
         if let Some(client) = &target {
-            match state::quarantine::released(client, &shared.flow.name, at).await {
+            match state::quarantine::released(client, flow, at).await {
                 Ok(true) => return true,
                 Ok(false) => {}
                 Err(e) => {
