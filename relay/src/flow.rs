@@ -1238,6 +1238,25 @@ async fn apply_part(
             let first = flow
                 .first_sink()
                 .expect("a flow of several sinks has a first");
+            if let Some(at) = e.held_at() {
+                // Met again before its release, it would only be counted
+                // (and recorded) once more.
+                tracing::warn!(flow = %flow.name, "the sink holds at a schema change until it is accepted; capture and the flow's other sinks go on");
+                if let Some(o) = &observe {
+                    o.health
+                        .failed(FlowState::Held, crate::errors::chain_of(&e));
+                }
+                let url = sink_url(flow, shared.index, first)?;
+                if !sinks::released(&url, &flow.name, at, captured.clone()).await {
+                    let held = sinks::SinkOutcome {
+                        sink: first.name.to_owned(),
+                        applied: ApplyStats::default(),
+                        seeded: Vec::new(),
+                        error: Some(e),
+                    };
+                    return Ok((ApplyStats::default(), Some(held)));
+                }
+            }
             let retried = sinks::run(shared, first, observe, captured, true).await;
             Ok((ApplyStats::default(), Some(retried)))
         }

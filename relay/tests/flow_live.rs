@@ -923,10 +923,23 @@ fn a_held_change_holds_its_sink_while_capture_goes_on_until_accepted() {
         assert!(err.contains("missing column code"), "{major}: {err}");
         p.target
             .psql("ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7");
-        // The sink met it again on its own and now waits for the accept.
-        wait_for(
-            "SELECT attempts >= 2 FROM trellara.quarantine WHERE flow = 'shop' AND resolved_at IS NULL",
-            "t",
+        // The sink waits for the accept; it does not meet the change again
+        // before.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !std::fs::read_to_string(d.join("follow.log"))
+            .unwrap_or_default()
+            .contains("the sink holds at a schema change until it is accepted")
+        {
+            assert!(std::time::Instant::now() < deadline, "{major}: never held");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT attempts FROM trellara.quarantine WHERE flow = 'shop' AND resolved_at IS NULL"
+            ),
+            "1",
+            "{major}: recorded once while held"
         );
         ok(&trellara(d, &accept), "schema accept");
         wait_for("SELECT count(*) FROM public.orders", "9");
