@@ -509,15 +509,9 @@ async fn follow_rounds<W: Watch>(
                     && let Some(at) = e.held_at() =>
             {
                 report(FlowState::Held, Some(&e));
-                progress(&format!(
-                    "{}; the flow holds there until the change is accepted",
-                    crate::errors::chain(&anyhow::Error::new(e))
-                ));
-                let url = target_url(flow, index)?;
-                if !sinks::released(&url, &flow.name, at, shutdown.clone()).await {
+                if !held_until_released((flow, index), e, at, shutdown.clone(), progress).await? {
                     return Ok(total);
                 }
-                progress("the schema change was released: following again from its transaction");
                 delay = TUNING.retry_first;
             }
             Err(e) if e.retryable() && !*shutdown.borrow() => {
@@ -558,6 +552,28 @@ async fn follow_rounds<W: Watch>(
             }
         }
     }
+}
+
+/// Waits, after a round ended held at a schema change (`e`, at `at`),
+/// until the hold is released on the first sink's target (true) or the
+/// flow is stopped (false).
+async fn held_until_released(
+    (flow, index): (&Flow, usize),
+    e: FlowError,
+    at: Lsn,
+    stop: Shutdown,
+    progress: &mut dyn FnMut(&str),
+) -> Result<bool, FlowError> {
+    progress(&format!(
+        "{}; the flow holds there until the change is accepted",
+        crate::errors::chain(&anyhow::Error::new(e))
+    ));
+    let url = target_url(flow, index)?;
+    if !sinks::released(&url, &flow.name, at, stop).await {
+        return Ok(false);
+    }
+    progress("the schema change was released: following again from its transaction");
+    Ok(true)
 }
 
 /// A flow splits into relay and apply services when it has one sink:

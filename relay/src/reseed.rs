@@ -41,6 +41,15 @@ pub enum ReseedError {
     )]
     NotFollowing { flow: String, config: String },
     #[error(
+        "flow {flow}: its apply holds at the quarantined transaction {commit_lsn} ({reason}), so it cannot reach the fence a one-table copy takes; nothing was changed\nhint: {recovery}"
+    )]
+    Quarantined {
+        flow: String,
+        commit_lsn: String,
+        reason: String,
+        recovery: String,
+    },
+    #[error(
         "flow {flow} is on the kafka transport: its applier reads the topic, which has no position record to hold it at, so one table cannot be copied again under it\nhint: recopy the whole flow: trellara reseed --config {config} --flow {flow}"
     )]
     Kafka { flow: String, config: String },
@@ -298,6 +307,20 @@ impl<'f> Refuse<'f> {
             .map_err(ReseedError::Target)?
         {
             return Err(ReseedError::OlderState { flow: name.clone() });
+        }
+        // A quarantined transaction holds the apply below any fence.
+        if let Some(q) = crate::state::quarantine::open(target, name)
+            .await
+            .map_err(ReseedError::Target)?
+            .into_iter()
+            .next()
+        {
+            return Err(ReseedError::Quarantined {
+                flow: name.clone(),
+                commit_lsn: q.commit_lsn,
+                reason: q.reason.lines().next().unwrap_or_default().to_owned(),
+                recovery: q.recovery,
+            });
         }
         let run = crate::state::runs::load(target, name)
             .await

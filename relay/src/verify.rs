@@ -39,6 +39,22 @@ pub struct TableEvidence {
     pub diverging_ranges: Vec<String>,
     /// What could not be checked, stated exactly.
     pub limits: Vec<String>,
+    /// Source columns the target's table lacks: the rows are compared on
+    /// the columns both have.
+    pub missing_on_target: Vec<String>,
+    /// Target columns the source's table lacks (not compared), each with
+    /// the schema change that explains it, if one does.
+    pub target_only: Vec<TargetColumn>,
+}
+
+/// A column only the target's table has.
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetColumn {
+    pub column: String,
+    /// The accepted change that dropped it on the source (`drop_column at
+    /// LSN`); None: no schema change of the flow explains it (a column of
+    /// the target's own, or one changed by hand).
+    pub explained_by: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -404,6 +420,31 @@ async fn verify_table(
 ) -> Result<TableEvidence, VerifyError> {
     let qualified = quote_table(table).ok_or_else(|| VerifyError::BadTable(table.to_owned()))?;
     let (columns, key) = shape(source, &qualified).await?;
+    // Compared on the columns both sides have: a change not applied on
+    // this sink yet (held) is named, not a query error.
+    let on_target_columns: Vec<(String, String)> = target
+        .query(
+            "SELECT attname::text, quote_ident(attname) FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+            &[&qualified],
+        )
+        .await
+        .map_err(VerifyError::Target)?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let (columns, missing_on_target): (Vec<String>, Vec<String>) =
+        columns.into_iter().partition(|c| {
+            on_target_columns.is_empty() || on_target_columns.iter().any(|(_, q)| q == c)
+        });
+    let target_only: Vec<TargetColumn> = on_target_columns
+        .iter()
+        .filter(|(_, q)| !columns.contains(q) && !missing_on_target.contains(q))
+        .map(|(name, _)| TargetColumn {
+            column: name.clone(),
+            explained_by: None,
+        })
+        .collect();
     let key_columns: Vec<String> = key.iter().map(|(n, _)| n.clone()).collect();
     let key = ordered_key(source, target, &qualified, key).await?;
     let on_source = crate::snapshot::rows_of(source, &qualified)
@@ -446,6 +487,8 @@ async fn verify_table(
         chunks: key_ranges,
         diverging_ranges: Vec::new(),
         limits: Vec::new(),
+        missing_on_target,
+        target_only,
     };
     let mut mismatched = Vec::new();
     for filter in filters {
@@ -515,6 +558,8 @@ pub const CHUNK_ROWS: u64 = 1_000_000;
 struct Commands {
     run: String,
     reseed: String,
+    /// `schema accept` up to its `--table`.
+    accept: String,
     /// What to do when a running process holds what verify must read.
     busy: String,
 }
@@ -525,6 +570,10 @@ impl Commands {
             run: format!("trellara run --config {config_path} --flow {}", flow.name),
             reseed: format!(
                 "trellara reseed --config {config_path} --flow {}",
+                flow.name
+            ),
+            accept: format!(
+                "trellara schema accept --config {config_path} --flow {} --table",
                 flow.name
             ),
             busy: format!(
@@ -772,16 +821,55 @@ async fn compare_tables(
     commands: &Commands,
     divergences: &mut Vec<Divergence>,
 ) -> Result<Vec<TableEvidence>, VerifyError> {
-    let Commands { run, reseed, .. } = commands;
+    let Commands {
+        run,
+        reseed,
+        accept,
+        ..
+    } = commands;
+    let explains = crate::state::current(target)
+        .await
+        .map_err(VerifyError::Target)?;
     let mut tables = Vec::new();
     for table in flow
         .tables
         .iter()
         .filter(|t| only_table.is_none_or(|o| o == t.as_str()))
     {
-        let e = verify_table(source, target, table, chunk_rows)
+        let mut e = verify_table(source, target, table, chunk_rows)
             .await
             .map_err(|e| e.in_table(table))?;
+        for column in &mut e.target_only {
+            if explains {
+                column.explained_by =
+                    crate::state::schema::dropped(target, &flow.name, table, &column.column)
+                        .await
+                        .map_err(VerifyError::Target)?
+                        .map(|lsn| format!("drop_column at {lsn}"));
+            }
+            e.limits.push(match &column.explained_by {
+                Some(change) => format!(
+                    "target column {} was dropped on the source ({change}, accepted) and kept on the target: not compared",
+                    column.column
+                ),
+                None => format!(
+                    "target column {} is not on the source, and no schema change of the flow explains it (a column of the target's own?): not compared",
+                    column.column
+                ),
+            });
+        }
+        if !e.missing_on_target.is_empty() {
+            divergences.push(Divergence {
+                code: "COLUMN_MISSING",
+                detail: format!(
+                    "{table}: the target has no column {} of the source's (a schema change not applied on this sink: see its quarantine); the rows were compared on the columns both have",
+                    e.missing_on_target.join(", ")
+                ),
+                recovery: format!(
+                    "apply the change on the target, then `{accept} {table}`; or {reseed}"
+                ),
+            });
+        }
         if e.source_rows != e.target_rows {
             divergences.push(Divergence {
                 code: "ROW_COUNT_MISMATCH",

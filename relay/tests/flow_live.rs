@@ -776,11 +776,12 @@ fn schema_changes_apply_with_their_rows_or_hold_naming_the_fix() {
                 .psql_value("SELECT count(*) FROM trellara.schema_changes WHERE flow = 'shop'"),
             "4"
         );
-        // A destructive change is logged, and the sink holds the
-        // transaction at it, naming the fix.
+        // Destructive changes are logged, and the sink holds the
+        // transaction at them, naming the fix.
         p.source.psql(
             "ALTER TABLE public.orders DROP COLUMN region;
-             INSERT INTO public.orders VALUES (102, 'c', 0, 'paid');",
+             ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7;
+             INSERT INTO public.orders VALUES (102, 'c', 0, 'paid', 8);",
         );
         let out = trellara(d, &["run", "--config", "trellara.yml", "--local"]);
         let err = fails(&out, 1);
@@ -808,9 +809,30 @@ fn schema_changes_apply_with_their_rows_or_hold_naming_the_fix() {
             "public.orders",
             "{major}"
         );
-        // Done on the target and accepted, the sink goes on from there.
+        // Verify names the column the target lacks (not a query error),
+        // and compares the rest.
+        let (code, v, err) = verdict(d, &[]);
+        let codes: Vec<&str> = v["divergences"]
+            .as_array()
+            .map(|d| d.iter().filter_map(|d| d["code"].as_str()).collect())
+            .unwrap_or_default();
+        assert!(
+            code == Some(1) && codes.contains(&"COLUMN_MISSING"),
+            "{major}:\n{v:#}\n{err}"
+        );
+        assert!(
+            v["tables"]
+                .as_array()
+                .is_some_and(|t| t.iter().any(|t| t["table"] == "public.orders"
+                    && t["missing_on_target"] == serde_json::json!(["code"]))),
+            "{major}:\n{v:#}"
+        );
+        // Done on the target (its `region` kept as its own) and accepted,
+        // the sink goes on from there.
         p.target
-            .psql("ALTER TABLE public.orders DROP COLUMN region");
+            .psql("ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7");
+        p.target
+            .psql("ALTER TABLE public.line_items ADD COLUMN local_note text");
         let out = ok(
             &trellara(
                 d,
@@ -831,6 +853,11 @@ fn schema_changes_apply_with_their_rows_or_hold_naming_the_fix() {
         );
         let out = run_verify(d, "run after the accept");
         assert!(out.contains("CONVERGED"), "{major}: {out}");
+        assert!(
+            out.contains("target column region was dropped on the source (drop_column at")
+                && out.contains("target column local_note is not on the source, and no schema change of the flow explains it"),
+            "{major}: {out}"
+        );
         assert_eq!(
             p.target.psql_value(
                 "SELECT count(*) FROM trellara.quarantine WHERE flow = 'shop' AND resolved_at IS NULL"
@@ -921,6 +948,22 @@ fn a_held_change_holds_its_sink_while_capture_goes_on_until_accepted() {
         ];
         let err = fails(&trellara(d, &accept), 1);
         assert!(err.contains("missing column code"), "{major}: {err}");
+        // A one-table copy needs the apply at a fence it cannot reach.
+        let reseed = [
+            "reseed",
+            "--config",
+            "trellara.yml",
+            "--flow",
+            "shop",
+            "--table",
+            "public.orders",
+        ];
+        let err = fails(&trellara(d, &reseed), 1);
+        assert!(
+            err.contains("its apply holds at the quarantined transaction")
+                && err.contains("schema accept"),
+            "{major}: {err}"
+        );
         p.target
             .psql("ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7");
         // The sink waits for the accept; it does not meet the change again

@@ -320,6 +320,19 @@ impl SchemaChange<'_> {
     }
 }
 
+/// The description of relation `id`, which change `sequence` of `env`
+/// names.
+fn relation_of(env: &Envelope, id: u32, sequence: u64) -> Result<&RelationSchema, Refusal> {
+    env.relations
+        .iter()
+        .find(|r| r.relation_id == id)
+        .ok_or_else(|| {
+            Refusal::Data(format!(
+                "change {sequence} names relation {id} without its description"
+            ))
+        })
+}
+
 /// Whether every value of a source column (type `source_oid`, modifier
 /// `source_mod`) lands unchanged in a target column (`target_oid`,
 /// `target_mod`). A target without a modifier takes whatever its type
@@ -1675,16 +1688,7 @@ impl<T: Target> Applier<T> {
             let row = match &ch.body {
                 Some(change::Body::Row(row)) => row,
                 Some(change::Body::Ddl(ddl)) if !copied.contains(&ddl.relation_id) => {
-                    let relation = env
-                        .relations
-                        .iter()
-                        .find(|r| r.relation_id == ddl.relation_id)
-                        .ok_or_else(|| {
-                            Refusal::Data(format!(
-                                "schema change {} names relation {} without its description",
-                                ch.sequence, ddl.relation_id
-                            ))
-                        })?;
+                    let relation = relation_of(env, ddl.relation_id, ch.sequence)?;
                     // Whatever the table held before goes first, under the
                     // old schema.
                     self.flush(pending).await?;
@@ -1703,16 +1707,7 @@ impl<T: Target> Applier<T> {
             if copied.contains(&row.relation_id) {
                 continue;
             }
-            let relation = env
-                .relations
-                .iter()
-                .find(|r| r.relation_id == row.relation_id)
-                .ok_or_else(|| {
-                    Refusal::Data(format!(
-                        "change {} names relation {} without schema",
-                        ch.sequence, row.relation_id
-                    ))
-                })?;
+            let relation = relation_of(env, row.relation_id, ch.sequence)?;
             if !pinned.contains(&row.relation_id) {
                 pinned.push(row.relation_id);
                 self.target

@@ -182,6 +182,7 @@ impl PgTarget {
                     &before,
                     &after,
                     &outcome,
+                    &ddl.column,
                 ],
             )
             .await?;
@@ -839,6 +840,43 @@ impl Target for PgTarget {
         let client = self.client.as_ref();
         if crate::state::schema::accepted(client, flow, &table, &commit).await? {
             self.open().await?;
+            // Each change the pin moves past, acknowledged as the
+            // operator's (verify explains a dropped column by it).
+            for found in schema
+                .as_ref()
+                .map(|pinned| trellara_common::ddl::diff::diff(pinned, relation))
+                .unwrap_or_default()
+            {
+                let kind = found
+                    .kind
+                    .unwrap_or(trellara_common::envelope::DdlKind::Unspecified);
+                let change = trellara_common::ddl::Change {
+                    kind,
+                    table: table.clone(),
+                    column: found.column.clone(),
+                };
+                let barrier = format!(
+                    "{}@{commit}",
+                    trellara_common::ddl::barrier_id(flow, &change)
+                );
+                self.client
+                    .execute(
+                        crate::state::schema::ACKNOWLEDGE,
+                        &[
+                            &flow,
+                            &barrier,
+                            &table,
+                            &trellara_common::ddl::kind_name(kind),
+                            &commit,
+                            &found.what,
+                            &(fingerprint as i64),
+                            &(relation.fingerprint as i64),
+                            &"already_present",
+                            &found.column.unwrap_or_default(),
+                        ],
+                    )
+                    .await?;
+            }
             self.client
                 .execute(
                     crate::state::schema::REPIN,

@@ -181,6 +181,15 @@ CREATE TABLE IF NOT EXISTS trellara.slot_claims (
     claimed_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (flow, slot)
 );
+-- The column a schema change was on (NULL: a table kind), for verify to
+-- explain a target column the source no longer has.
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns
+                   WHERE table_schema = 'trellara' AND table_name = 'schema_changes'
+                     AND column_name = 'column_name') THEN
+        ALTER TABLE trellara.schema_changes ADD COLUMN column_name text;
+    END IF;
+END $$;
 ";
 
 /// The state tables the target has (one made by an older build may lack
@@ -229,7 +238,8 @@ pub async fn forget(client: &Client, flow: &str) -> Result<(), tokio_postgres::E
 
 /// The columns [`SCHEMA`] adds to a table an older build made, as
 /// (table, column).
-const ADDED_COLUMNS: [(&str, &str); 7] = [
+const ADDED_COLUMNS: [(&str, &str); 8] = [
+    ("trellara.schema_changes", "column_name"),
     ("trellara.quarantine", "held_table"),
     ("trellara.quarantine", "held_schema"),
     ("trellara.snapshot_tables", "fingerprint"),

@@ -10,12 +10,13 @@ use tokio_postgres::GenericClient;
 
 /// Records one sink's acknowledgement: `$1` flow, `$2` barrier id, `$3`
 /// table, `$4` kind, `$5` commit LSN (text), `$6` statement, `$7`/`$8`
-/// fingerprints before and after, `$9` outcome. A replay of the same
+/// fingerprints before and after, `$9` outcome, `$10` the column ('' for
+/// a table kind). A replay of the same
 /// change (a crash after the target commit, before the log cursor moved)
 /// finds its row and writes nothing.
 pub const ACKNOWLEDGE: &str = "INSERT INTO trellara.schema_changes
-        (flow, barrier_id, table_name, kind, commit_lsn, statement, fingerprint_before, fingerprint_after, outcome)
-    VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $6, $7, $8, $9)
+        (flow, barrier_id, table_name, kind, commit_lsn, statement, fingerprint_before, fingerprint_after, outcome, column_name)
+    VALUES ($1, $2, $3, $4, $5::text::pg_lsn, $6, $7, $8, $9, nullif($10, ''))
     ON CONFLICT (flow, barrier_id) DO NOTHING";
 
 /// Moves the table's pin: `$1` flow, `$2` table, `$3` fingerprint, `$4`
@@ -108,4 +109,23 @@ pub async fn accepted(
         )
         .await?
         .get(0))
+}
+
+/// The commit of the latest change that dropped `column` from `table` and
+/// that a sink passed (applied or accepted), if any.
+pub async fn dropped(
+    client: &impl GenericClient,
+    flow: &str,
+    table: &str,
+    column: &str,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    Ok(client
+        .query_opt(
+            "SELECT commit_lsn::text FROM trellara.schema_changes
+             WHERE flow = $1 AND table_name = $2 AND column_name = $3 AND kind = 'drop_column'
+             ORDER BY commit_lsn DESC LIMIT 1",
+            &[&flow, &table, &column],
+        )
+        .await?
+        .map(|r| r.get(0)))
 }
