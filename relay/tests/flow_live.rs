@@ -4081,6 +4081,91 @@ fn two_sinks_naming_one_database_on(major: Major) {
 }
 
 #[test]
+fn a_held_change_is_accepted_sink_by_sink() {
+    on_every_major(a_held_change_is_accepted_sink_by_sink_on);
+}
+
+/// Two sinks held at one change: `schema accept` records nothing while one
+/// target does not match, `--sink` releases the one that does while the
+/// other stays held, and the other goes on once it matches too.
+fn a_held_change_is_accepted_sink_by_sink_on(major: Major) {
+    let Some(source) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    let Some(main) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    let Some(lake) = test_cluster(major, &ClusterOptions::new()) else {
+        return;
+    };
+    for c in [&source, &main, &lake] {
+        c.psql(SCHEMA);
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    std::fs::write(
+        d.join("trellara.yml"),
+        two_sinks_config(
+            &source.connection_string("postgres"),
+            (
+                &main.connection_string("postgres"),
+                &lake.connection_string("postgres"),
+            ),
+            "",
+        ),
+    )
+    .expect("config");
+    workload(&source, 1, 3);
+    let (mut child, addr, stderr) = spawn_follower(d);
+    let wait_until = waiter(major, &stderr);
+    wait_until("ready", 90, &|| http_get(&addr, "/readyz").0 == 200);
+    let orders = "SELECT count(*) FROM public.orders";
+    let held = "SELECT coalesce(string_agg(held_table, ','), '') FROM trellara.quarantine WHERE resolved_at IS NULL";
+    source.psql(
+        "ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7;
+         INSERT INTO public.orders VALUES (100, 'c', 0, 8);",
+    );
+    for target in [&main, &lake] {
+        wait_until("held", 60, &|| target.psql_value(held) == "public.orders");
+    }
+    main.psql("ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7");
+    let accept = |extra: &[&str]| {
+        let mut args = vec!["schema", "accept", "--table", "public.orders"];
+        args.extend(extra);
+        trellara(d, &args)
+    };
+    let err = fails(&accept(&[]), 1);
+    assert!(
+        err.contains("sink lake") && err.contains("missing column code"),
+        "{major}: {err}"
+    );
+    let accepted = "SELECT count(*) FROM trellara.schema_changes WHERE kind = 'accepted'";
+    assert_eq!(main.psql_value(accepted), "0", "{major}: nothing recorded");
+    ok(&accept(&["--sink", "main"]), "accept on main");
+    wait_until("main applied", 60, &|| main.psql_value(orders) == "4");
+    assert_eq!(
+        lake.psql_value(orders),
+        "3",
+        "{major}: the lake still holds"
+    );
+    assert_eq!(lake.psql_value(held), "public.orders", "{major}");
+    lake.psql("ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7");
+    let out = ok(&accept(&[]), "accept on the lake");
+    assert!(
+        out.contains("for sink lake") && !out.contains("for sink main"),
+        "{major}: {out}"
+    );
+    wait_until("lake applied", 60, &|| lake.psql_value(orders) == "4");
+    let status = terminate(&mut child);
+    assert!(status.success(), "{major}: {status}");
+    let out = ok(
+        &trellara(d, &["verify", "--config", "trellara.yml"]),
+        "verify",
+    );
+    assert!(!out.contains("DIVERGED"), "{major}: {out}");
+}
+
+#[test]
 fn two_sinks_share_one_slot_and_a_stalled_one_holds_back_neither() {
     on_every_major(two_sinks_share_one_slot_on);
 }
