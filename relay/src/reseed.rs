@@ -70,11 +70,12 @@ pub enum ReseedError {
         config: String,
     },
     #[error(
-        "flow {flow}: the sink's log cursor {cursor} is gone (it held the log past transport.retention_mib), so every table of the sink is behind, not this one alone\nhint: copy the whole sink again: trellara reseed --config {config} --flow {flow} --sink NAME"
+        "flow {flow}: the sink's log cursor {cursor} is not in the log after {waited_s} s (dropped when the sink held the log past transport.retention_mib, or its applier has not started reading), so every table of the sink may be behind, not this one alone\nhint: if `trellara status --config {config} --flow {flow}` says the sink needs a copy, copy it whole: trellara reseed --config {config} --flow {flow} --sink NAME; otherwise reseed again once the flow applies"
     )]
     NoCursor {
         flow: String,
         cursor: String,
+        waited_s: u64,
         config: String,
     },
     #[error(
@@ -161,7 +162,9 @@ pub async fn table(
         config,
     };
     let qualified = crate::config::quote_table(table).unwrap_or_else(|| table.to_owned());
-    let log_dir = refuse.checks((source, target), &qualified, cursor).await?;
+    let log_dir = refuse
+        .checks((source, target), &qualified, (cursor, timeout))
+        .await?;
     // Outside the fence's snapshot: the table as it is now.
     let watch = crate::session::connect(source_url, "source").await?;
     progress(&format!(
@@ -284,7 +287,7 @@ impl<'f> Refuse<'f> {
         &self,
         (source, target): (&Client, &Client),
         qualified: &str,
-        cursor: &str,
+        (cursor, timeout): (&str, Duration),
     ) -> Result<&'f std::path::Path, ReseedError> {
         let (flow, table, config) = (self.flow, self.table, self.config);
         let name = &flow.name;
@@ -347,17 +350,21 @@ impl<'f> Refuse<'f> {
             });
         }
         // A sink whose cursor is gone is behind in every table: copying
-        // one would put it ahead of the rest.
-        if !log_dir
-            .join("cursors")
-            .join(format!("{cursor}.cursor"))
-            .exists()
-        {
-            return Err(ReseedError::NoCursor {
-                flow: name.clone(),
-                cursor: cursor.to_owned(),
-                config: config.to_owned(),
-            });
+        // one would put it ahead of the rest. An applier registers its
+        // cursor when it starts reading the log, a moment after the
+        // handoff: waited for.
+        let path = log_dir.join("cursors").join(format!("{cursor}.cursor"));
+        let deadline = Instant::now() + timeout;
+        while !path.exists() {
+            if Instant::now() >= deadline {
+                return Err(ReseedError::NoCursor {
+                    flow: name.clone(),
+                    cursor: cursor.to_owned(),
+                    waited_s: timeout.as_secs(),
+                    config: config.to_owned(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         for (side, client) in [("source", source), ("target", target)] {
             let exists: bool = client

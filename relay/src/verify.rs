@@ -859,15 +859,34 @@ async fn compare_tables(
             });
         }
         if !e.missing_on_target.is_empty() {
+            let missing = e.missing_on_target.join(", ");
+            // Only a held change is the accept's to release; one the flow
+            // has not met yet (it meets a table's change at its next row)
+            // is in no quarantine.
+            let held = explains
+                && !crate::state::quarantine::holds(target, &flow.name, table)
+                    .await
+                    .map_err(VerifyError::Target)?
+                    .is_empty();
+            let (why, recovery) = if held {
+                (
+                    "a schema change held on this sink: see its quarantine",
+                    format!("apply the change on the target, then `{accept} {table}`; or {reseed}"),
+                )
+            } else {
+                (
+                    "a schema change the flow has not met yet: it meets one at the table's next row change",
+                    format!(
+                        "let the flow take the table's next change, then verify again (a change it cannot take holds the sink, and `trellara status` names the fix); or {reseed}"
+                    ),
+                )
+            };
             divergences.push(Divergence {
                 code: "COLUMN_MISSING",
                 detail: format!(
-                    "{table}: the target has no column {} of the source's (a schema change not applied on this sink: see its quarantine); the rows were compared on the columns both have",
-                    e.missing_on_target.join(", ")
+                    "{table}: the target has no column {missing} of the source's ({why}); the rows were compared on the columns both have"
                 ),
-                recovery: format!(
-                    "apply the change on the target, then `{accept} {table}`; or {reseed}"
-                ),
+                recovery,
             });
         }
         if e.source_rows != e.target_rows {
