@@ -9,7 +9,7 @@
 //!   description could not be inserted without (NOT NULL, no default). A
 //!   target that does not match is named with what it lacks.
 //! * The acceptance is one row per held transaction in that target's
-//!   `trellara.schema_changes` (barrier `accepted:T@C`,
+//!   `trellara.schema_changes` (barrier `accepted:T@C/F`, F the fingerprint after,
 //!   [`state::schema::acceptance`]), nothing else: the held sink reads it,
 //!   goes on from that very transaction, passes its changes on T without
 //!   DDL and moves T's pin in the transaction of its rows. A crash on
@@ -179,7 +179,7 @@ pub async fn accept(
 }
 
 /// What keeps the target's `table` from taking rows under `schema`.
-async fn mismatches(
+pub(crate) async fn mismatches(
     target: &tokio_postgres::Client,
     table: &TableName,
     schema: &RelationSchema,

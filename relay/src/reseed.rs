@@ -25,6 +25,17 @@
 //!   applier applied all of them already, so nothing is applied twice; the
 //!   boundary is recorded so that an applier reading them again skips T's
 //!   share (crate::apply's joined tables).
+//!
+//! A sink held at a schema change of T (its open quarantine records are
+//! holds of T alone) has no apply to fence: it stays below the change.
+//! Once its target's T takes the columns of the held description, T is
+//! copied at a boundary of its own as a joining table is (a temporary
+//! slot's snapshot; emptied and copied in one target transaction, its pin
+//! and boundary recorded), and then the holds below that boundary are
+//! resolved, so the sink goes on from the held transaction passing T's
+//! share of everything up to it. Until it has caught up, T is ahead of the
+//! other tables: that is the one reseed whose readers may see a
+//! transaction's share of T before its share of another table.
 
 use crate::config::Flow;
 use crate::fence::FenceError;
@@ -67,6 +78,17 @@ pub enum ReseedError {
     NotCopied {
         flow: String,
         table: String,
+        config: String,
+    },
+    #[error(
+        "flow {flow}: the sink holds at a schema change of {table} ({commit_lsn}), and the target's {table} cannot take the table's columns after it, so nothing was copied:\n  {}\nhint: make the target's {table} match the source's (the change on the target as on the source), then reseed it again; or `trellara schema accept --config {config} --flow {flow} --table {table}` once it matches",
+        problems.join("\n  ")
+    )]
+    HeldMismatch {
+        flow: String,
+        table: String,
+        commit_lsn: String,
+        problems: Vec<String>,
         config: String,
     },
     #[error(
@@ -141,6 +163,9 @@ pub struct Reseeded {
     pub apply_held_ms: u64,
     /// Emptying and copying the table, inside the hold.
     pub copy_ms: u64,
+    /// The held transactions (commit LSNs) the copy released: a sink held
+    /// at a schema change of the table goes on from there.
+    pub released: Vec<String>,
 }
 
 /// Copies `table` of the following `flow` again, on the sink whose log
@@ -162,9 +187,14 @@ pub async fn table(
         config,
     };
     let qualified = crate::config::quote_table(table).unwrap_or_else(|| table.to_owned());
-    let log_dir = refuse
+    let (log_dir, holds) = refuse
         .checks((source, target), &qualified, (cursor, timeout))
         .await?;
+    if !holds.is_empty() {
+        return refuse
+            .release(sink, (source_url, source, target), &holds, progress)
+            .await;
+    }
     // Outside the fence's snapshot: the table as it is now.
     let watch = crate::session::connect(source_url, "source").await?;
     progress(&format!(
@@ -221,7 +251,7 @@ pub async fn table(
             }
             // Again under the table's lock: a constraint or trigger added
             // since the first look.
-            refuse.dependents(target, &qualified).await?;
+            refuse.dependents(target, &qualified, true).await?;
             target
                 .batch_execute(&format!("DELETE FROM {qualified}"))
                 .await
@@ -270,6 +300,7 @@ pub async fn table(
         rows,
         apply_held_ms: ms(held),
         copy_ms: ms(copy),
+        released: Vec::new(),
     })
 }
 
@@ -288,7 +319,7 @@ impl<'f> Refuse<'f> {
         (source, target): (&Client, &Client),
         qualified: &str,
         (cursor, timeout): (&str, Duration),
-    ) -> Result<&'f std::path::Path, ReseedError> {
+    ) -> Result<(&'f std::path::Path, Vec<crate::state::quarantine::Hold>), ReseedError> {
         let (flow, table, config) = (self.flow, self.table, self.config);
         let name = &flow.name;
         if matches!(flow.transport, crate::config::Transport::Kafka { .. }) {
@@ -311,13 +342,13 @@ impl<'f> Refuse<'f> {
         {
             return Err(ReseedError::OlderState { flow: name.clone() });
         }
-        // A quarantined transaction holds the apply below any fence.
-        if let Some(q) = crate::state::quarantine::open(target, name)
+        // A quarantined transaction holds the apply below any fence; holds
+        // of this table alone are what a copy of it can release.
+        let open = crate::state::quarantine::open(target, name)
             .await
-            .map_err(ReseedError::Target)?
-            .into_iter()
-            .next()
-        {
+            .map_err(ReseedError::Target)?;
+        let ours = !open.is_empty() && open.iter().all(|q| q.held_table.as_deref() == Some(table));
+        if let Some(q) = open.into_iter().find(|_| !ours) {
             return Err(ReseedError::Quarantined {
                 flow: name.clone(),
                 commit_lsn: q.commit_lsn,
@@ -325,6 +356,13 @@ impl<'f> Refuse<'f> {
                 recovery: q.recovery,
             });
         }
+        let holds = if ours {
+            crate::state::quarantine::holds(target, name, table)
+                .await
+                .map_err(ReseedError::Target)?
+        } else {
+            Vec::new()
+        };
         let run = crate::state::runs::load(target, name)
             .await
             .map_err(ReseedError::Target)?;
@@ -383,15 +421,87 @@ impl<'f> Refuse<'f> {
                 });
             }
         }
-        self.dependents(target, qualified).await?;
-        Ok(log_dir)
+        // A held sink's copy empties the table with TRUNCATE (as a
+        // joining table's), which fires no DELETE trigger.
+        self.dependents(target, qualified, holds.is_empty()).await?;
+        Ok((log_dir, holds))
+    }
+
+    /// Releases a sink held at schema changes of the table (`holds`, its
+    /// only open quarantine records): checks the target's table takes
+    /// the description after each, copies the table at a boundary of its
+    /// own, then resolves the holds below it (see the module docs).
+    async fn release(
+        &self,
+        sink: &str,
+        (source_url, source, target): (&str, &Client, &Client),
+        holds: &[crate::state::quarantine::Hold],
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<Reseeded, ReseedError> {
+        let (flow, table) = (self.flow, self.table);
+        let name = trellara_common::table_name::TableName::parse(table).map_err(|_| {
+            ReseedError::Missing {
+                flow: flow.name.clone(),
+                table: table.to_owned(),
+                side: "source",
+            }
+        })?;
+        for hold in holds {
+            let after: trellara_common::envelope::RelationSchema =
+                prost::Message::decode(hold.schema.as_slice()).unwrap_or_default();
+            let problems = crate::accept::mismatches(target, &name, &after)
+                .await
+                .map_err(ReseedError::Target)?;
+            if !problems.is_empty() {
+                return Err(ReseedError::HeldMismatch {
+                    flow: flow.name.clone(),
+                    table: table.to_owned(),
+                    commit_lsn: hold.commit_lsn.clone(),
+                    problems,
+                    config: self.config.to_owned(),
+                });
+            }
+        }
+        progress(&format!(
+            "reseed {table}: the sink holds at a schema change of it ({}); copying it at a boundary of its own",
+            holds
+                .iter()
+                .map(|h| h.commit_lsn.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        let started = Instant::now();
+        let (boundary, rows) =
+            crate::snapshot::copy_again(flow, source_url, (source, target), table, progress)
+                .await?;
+        let copy = started.elapsed();
+        // After the copy's commit: a crash in between leaves the hold,
+        // which the next reseed releases.
+        let released = crate::state::quarantine::release_below(target, &flow.name, table, boundary)
+            .await
+            .map_err(ReseedError::Target)?;
+        Ok(Reseeded {
+            flow: flow.name.clone(),
+            sink: sink.to_owned(),
+            table: table.to_owned(),
+            boundary_lsn: boundary.to_string(),
+            rows,
+            apply_held_ms: 0,
+            copy_ms: u64::try_from(copy.as_millis()).unwrap_or(u64::MAX),
+            released,
+        })
     }
 
     /// What the DELETE would reach beyond the table's rows on the target:
     /// another table's foreign key to it or to one of its partitions (the
     /// delete would fail, or cascade), a DELETE trigger (it would fire for
     /// every row).
-    async fn dependents(&self, target: &Client, qualified: &str) -> Result<(), ReseedError> {
+    async fn dependents(
+        &self,
+        target: &Client,
+        qualified: &str,
+        triggers: bool,
+    ) -> Result<(), ReseedError> {
         let link = target
             .query_opt(
                 "WITH tree AS (SELECT to_regclass($1) AS relid UNION SELECT relid FROM pg_partition_tree(to_regclass($1)))
@@ -413,6 +523,9 @@ impl<'f> Refuse<'f> {
                 constraint: link.get(1),
                 config: self.config.to_owned(),
             });
+        }
+        if !triggers {
+            return Ok(());
         }
         // tgtype bit 3 (8): fires on DELETE; 'D': disabled.
         let trigger: Option<String> = target

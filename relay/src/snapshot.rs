@@ -476,7 +476,9 @@ pub async fn join(
     if let Some(change) = io.ensure_publication().await? {
         progress(&format!("join: {change}"));
     }
-    let joined = copy_at_own_boundary(&mut io, tables, progress).await;
+    let joined = copy_at_own_boundary(&mut io, tables, "join", progress)
+        .await
+        .map(|(boundary, _)| boundary);
     if joined.is_err() && !unlisted.is_empty() {
         // Not left streaming tables the target never got.
         let undo = format!(
@@ -501,13 +503,31 @@ pub async fn join(
     joined
 }
 
+/// Copies `table`, already one of the flow's, again at a boundary of its
+/// own, as [`join`] copies a table that joins: emptied and copied in one
+/// target transaction, its pin and boundary recorded there, so the
+/// applier passes its changes that committed before the boundary. The
+/// boundary and the rows copied.
+pub async fn copy_again(
+    flow: &Flow,
+    source_url: &str,
+    (source, target): (&Client, &Client),
+    table: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Lsn, u64), SnapshotError> {
+    let mut io = PgSnapshot::new(flow, source_url, (source, target), None);
+    copy_at_own_boundary(&mut io, &[table.to_owned()], "reseed", progress).await
+}
+
 /// [`join`]'s copy: a temporary slot's snapshot, every table emptied and
-/// copied in one target transaction; the slot's consistent point.
+/// copied in one target transaction; the slot's consistent point and the
+/// rows copied.
 async fn copy_at_own_boundary(
     io: &mut PgSnapshot<'_>,
     tables: &[String],
+    what: &str,
     progress: &mut dyn FnMut(&str),
-) -> Result<Lsn, SnapshotError> {
+) -> Result<(Lsn, u64), SnapshotError> {
     let (source, source_url) = (io.source, io.source_url);
     let mut options: ConnectOptions = source_url.parse()?;
     options.replication = true;
@@ -522,13 +542,17 @@ async fn copy_at_own_boundary(
     let boundary = created.consistent_point;
     io.boundary = Some(boundary);
     progress(&format!(
-        "join: copying {} at a boundary of their own, {boundary}",
+        "{what}: copying {} at a boundary of their own, {boundary}",
         tables.join(", ")
     ));
     let order = io.prepare_copy(tables).await?;
+    let mut copied = 0;
     for table in &order {
         match io.copy_table(table, &snapshot, progress).await {
-            Ok(rows) => progress(&format!("join: copied {rows} rows of {table}")),
+            Ok(rows) => {
+                progress(&format!("{what}: copied {rows} rows of {table}"));
+                copied += rows;
+            }
             Err(e) => {
                 io.abort_copy().await;
                 return Err(e);
@@ -538,7 +562,7 @@ async fn copy_at_own_boundary(
     io.finish_copy().await?;
     // The exported snapshot and the temporary slot end with the session.
     drop(repl);
-    Ok(boundary)
+    Ok((boundary, copied))
 }
 
 /// A slot created without the snapshot it was asked to export.

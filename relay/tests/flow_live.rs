@@ -957,7 +957,8 @@ fn a_held_change_holds_its_sink_while_capture_goes_on_until_accepted() {
         ];
         let err = fails(&trellara(d, &accept), 1);
         assert!(err.contains("missing column code"), "{major}: {err}");
-        // A one-table copy needs the apply at a fence it cannot reach.
+        // A one-table copy would release the hold, but the target's table
+        // cannot take the copy yet: refused before anything is emptied.
         let reseed = [
             "reseed",
             "--config",
@@ -969,9 +970,15 @@ fn a_held_change_holds_its_sink_while_capture_goes_on_until_accepted() {
         ];
         let err = fails(&trellara(d, &reseed), 1);
         assert!(
-            err.contains("its apply holds at the quarantined transaction")
+            err.contains("cannot take the table's columns after it")
+                && err.contains("missing column code")
                 && err.contains("schema accept"),
             "{major}: {err}"
+        );
+        assert_eq!(
+            p.target.psql_value("SELECT count(*) FROM public.orders"),
+            "5",
+            "{major}: nothing emptied"
         );
         p.target
             .psql("ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7");
@@ -1022,6 +1029,165 @@ fn a_held_change_holds_its_sink_while_capture_goes_on_until_accepted() {
             "accepted already_present,add_not_null_column already_present",
             "{major}"
         );
+    });
+}
+
+/// The other fix for a held change: the target's table made to take the
+/// source's columns, `reseed --table` copies it at a boundary of its own
+/// and releases the hold; the sink goes on from the held transaction, the
+/// other tables' rows of it and after it applied once, the table's passed
+/// (its copy holds them).
+#[test]
+fn a_held_change_is_released_by_a_one_table_reseed() {
+    on_every_major(|major| {
+        let Some(p) = pair(major) else {
+            return;
+        };
+        let d = p.dir.path();
+        workload(&p.source, 1, 5);
+        let (mut child, _, stderr) = spawn_follower(d);
+        let wait = waiter(major, &stderr);
+        wait("copied", 60, &|| {
+            p.target.psql_value("SELECT count(*) FROM public.orders") == "5"
+        });
+        // The held transaction touches another table too.
+        p.source.psql(
+            "BEGIN;
+             ALTER TABLE public.orders ADD COLUMN code int NOT NULL DEFAULT 7;
+             INSERT INTO public.orders VALUES (100, 'c', 0, 8);
+             INSERT INTO public.line_items VALUES (100, 1, 1, 1.00, 'held');
+             COMMIT;",
+        );
+        workload(&p.source, 200, 3);
+        wait("held", 60, &|| {
+            p.target.psql_value(
+                "SELECT count(*) FROM trellara.quarantine WHERE flow = 'shop' AND resolved_at IS NULL AND held_table = 'public.orders'",
+            ) == "1"
+        });
+        p.target
+            .psql("ALTER TABLE public.orders ADD COLUMN code int");
+        let out = ok(
+            &trellara(
+                d,
+                &[
+                    "reseed",
+                    "--config",
+                    "trellara.yml",
+                    "--flow",
+                    "shop",
+                    "--table",
+                    "public.orders",
+                    "--format",
+                    "json",
+                ],
+            ),
+            "reseed --table",
+        );
+        let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+        assert_eq!(v[0]["rows"], 9, "{major}: {v}");
+        assert_eq!(
+            v[0]["released"].as_array().map(Vec::len),
+            Some(1),
+            "{major}: {v}"
+        );
+        wait("caught up", 60, &|| {
+            p.target
+                .psql_value("SELECT count(*) FROM public.line_items")
+                == p.source
+                    .psql_value("SELECT count(*) FROM public.line_items")
+        });
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT string_agg(id || ':' || code, ',' ORDER BY id) FROM public.orders"
+            ),
+            "1:7,2:7,3:7,4:7,5:7,100:8,200:7,201:7,202:7",
+            "{major}: the copy's rows, none twice"
+        );
+        assert!(
+            child.try_wait().expect("poll").is_none(),
+            "{major}: the follower kept running"
+        );
+        // The table's own later changes apply under the new description.
+        p.source
+            .psql("UPDATE public.orders SET code = 9 WHERE id = 1");
+        wait("applied after the copy", 60, &|| {
+            p.target
+                .psql_value("SELECT code FROM public.orders WHERE id = 1")
+                == "9"
+        });
+        let out = ok(
+            &trellara(d, &["verify", "--config", "trellara.yml"]),
+            "verify",
+        );
+        assert!(out.contains("shop CONVERGED"), "{major}: {out}");
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT count(*) FROM trellara.quarantine WHERE flow = 'shop' AND resolved_at IS NULL"
+            ),
+            "0",
+            "{major}"
+        );
+        terminate(&mut child);
+    });
+}
+
+/// One transaction that changes a table twice, rows after each: each
+/// description is held and accepted on its own; an acceptance of the
+/// first does not pass the second.
+#[test]
+fn two_held_changes_of_one_table_in_one_transaction_are_accepted_each() {
+    on_every_major(|major| {
+        let Some(p) = pair(major) else {
+            return;
+        };
+        let d = p.dir.path();
+        workload(&p.source, 1, 2);
+        let run = ["run", "--config", "trellara.yml", "--local"];
+        ok(&trellara(d, &run), "first run");
+        p.source.psql(
+            "BEGIN;
+             ALTER TABLE public.orders ADD COLUMN a int NOT NULL DEFAULT 1;
+             INSERT INTO public.orders VALUES (100, 'c', 0, 5);
+             ALTER TABLE public.orders ADD COLUMN b int NOT NULL DEFAULT 2;
+             INSERT INTO public.orders VALUES (101, 'c', 0, 5, 6);
+             COMMIT;",
+        );
+        let accept = [
+            "schema",
+            "accept",
+            "--config",
+            "trellara.yml",
+            "--table",
+            "public.orders",
+        ];
+        let err = fails(&trellara(d, &run), 1);
+        assert!(err.contains("public.orders.a"), "{major}: {err}");
+        p.target
+            .psql("ALTER TABLE public.orders ADD COLUMN a int NOT NULL DEFAULT 1");
+        ok(&trellara(d, &accept), "accept the first");
+        let err = fails(&trellara(d, &run), 1);
+        assert!(
+            err.contains("public.orders.b") && err.contains("schema change on public.orders held"),
+            "{major}: the second description holds on its own: {err}"
+        );
+        let err = fails(&trellara(d, &accept), 1);
+        assert!(err.contains("missing column b"), "{major}: {err}");
+        p.target
+            .psql("ALTER TABLE public.orders ADD COLUMN b int NOT NULL DEFAULT 2");
+        ok(&trellara(d, &accept), "accept the second");
+        ok(&trellara(d, &run), "run past both");
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT string_agg(id || ':' || a || ':' || b, ',' ORDER BY id) FROM public.orders WHERE id >= 100"
+            ),
+            "100:5:2,101:5:6",
+            "{major}"
+        );
+        let out = ok(
+            &trellara(d, &["verify", "--config", "trellara.yml"]),
+            "verify",
+        );
+        assert!(out.contains("shop CONVERGED"), "{major}: {out}");
     });
 }
 

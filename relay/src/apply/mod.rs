@@ -1248,7 +1248,7 @@ impl<T: Target> Applier<T> {
     ) -> Result<ApplyError, ApplyError> {
         let (config, flow, table) = (&self.config_path, &self.flow, &hold.table);
         let recovery = format!(
-            "apply the change on the target yourself, then `trellara schema accept --config {config} --flow {flow} --table {table}`: this sink goes on from the held transaction (a following one by itself, within seconds); or copy every table again: `trellara reseed --config {config} --flow {flow}`"
+            "apply the change on the target yourself, then `trellara schema accept --config {config} --flow {flow} --table {table}`: this sink goes on from the held transaction (a following one by itself, within seconds); or, the target's table made to take the source's columns, copy that table again while the flow follows: `trellara reseed --config {config} --flow {flow} --table {table}`; or copy every table again: `trellara reseed --config {config} --flow {flow}`"
         );
         let reason = format!(
             "schema change on {table} held: {}; no sink applies it on its own",

@@ -838,7 +838,15 @@ impl Target for PgTarget {
             .unwrap_or_default();
         let commit = commit_lsn.to_string();
         let client = self.client.as_ref();
-        if crate::state::schema::accepted(client, flow, &table, &commit).await? {
+        if crate::state::schema::accepted(
+            client,
+            flow,
+            &table,
+            &commit,
+            relation.fingerprint as i64,
+        )
+        .await?
+        {
             self.open().await?;
             // Each change the pin moves past, acknowledged as the
             // operator's (verify explains a dropped column by it).
@@ -910,7 +918,8 @@ impl Target for PgTarget {
         if !ddl.held.is_empty() {
             let (table, commit) = (change.table(), change.commit_lsn.to_string());
             let client = self.client.as_ref();
-            if !crate::state::schema::accepted(client, change.flow, &table, &commit).await? {
+            let after = relation.fingerprint as i64;
+            if !crate::state::schema::accepted(client, change.flow, &table, &commit, after).await? {
                 use prost::Message as _;
                 return Err(Refusal::Held(Box::new(super::Hold {
                     reason: ddl.held.clone(),

@@ -1654,14 +1654,25 @@ fn reseed_table(args: &ReseedArgs, table: &str) -> anyhow::Result<ExitCode> {
                     Some(_) => format!("reseed {table} of flow {} sink {}", f.name, sink.name),
                     None => format!("reseed {table} of flow {}", f.name),
                 })?;
-            progress(&format!(
-                "reseed {table}: copied {} rows at its own boundary {}; the apply was held {} ms (the copy {} ms); `trellara verify --config {config_path} --flow {} --table {table}` promotes it",
-                reseeded.rows,
-                reseeded.boundary_lsn,
-                reseeded.apply_held_ms,
-                reseeded.copy_ms,
-                f.name
-            ));
+            if reseeded.released.is_empty() {
+                progress(&format!(
+                    "reseed {table}: copied {} rows at its own boundary {}; the apply was held {} ms (the copy {} ms); `trellara verify --config {config_path} --flow {} --table {table}` promotes it",
+                    reseeded.rows,
+                    reseeded.boundary_lsn,
+                    reseeded.apply_held_ms,
+                    reseeded.copy_ms,
+                    f.name
+                ));
+            } else {
+                progress(&format!(
+                    "reseed {table}: copied {} rows at its own boundary {} (the copy {} ms), which released the hold at {}: the sink goes on from there, and {table} is ahead of the other tables until it has caught up; `trellara verify --config {config_path} --flow {}` once it has",
+                    reseeded.rows,
+                    reseeded.boundary_lsn,
+                    reseeded.copy_ms,
+                    reseeded.released.join(", "),
+                    f.name
+                ));
+            }
             done.push(reseeded);
         }
     }

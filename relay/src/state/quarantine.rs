@@ -60,6 +60,27 @@ pub async fn supersede(
     Ok(())
 }
 
+/// Resolves `flow`'s open holds at schema changes on `table` that
+/// committed before `boundary`, where the table was copied again (`reseed
+/// --table`): the copy holds what they could not apply. Their commit LSNs.
+pub async fn release_below(
+    client: &impl GenericClient,
+    flow: &str,
+    table: &str,
+    boundary: trellara_common::Lsn,
+) -> Result<Vec<String>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "UPDATE trellara.quarantine
+             SET resolved_at = now(), reason = reason || ' (released by a copy of the table at ' || $3::text || ')'
+             WHERE flow = $1 AND held_table = $2 AND resolved_at IS NULL AND commit_lsn < $3::text::pg_lsn
+             RETURNING commit_lsn::text",
+            &[&flow, &table, &boundary.to_string()],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
 /// What the applier records for a transaction it sets aside.
 #[derive(Debug)]
 pub struct Record<'a> {
@@ -142,21 +163,36 @@ pub async fn holds(
 }
 
 /// Whether the record at `commit_lsn` no longer holds its sink: resolved
-/// (a snapshot superseded it), its change accepted
-/// ([`super::schema::accept`]), or gone.
+/// (a snapshot or a copy of the table superseded it), the description it
+/// holds at accepted ([`super::schema::accept`]), or gone.
 pub async fn released(
     client: &impl GenericClient,
     flow: &str,
     commit_lsn: trellara_common::Lsn,
 ) -> Result<bool, tokio_postgres::Error> {
+    let commit = commit_lsn.to_string();
     let row = client
         .query_opt(
-            "SELECT q.resolved_at IS NOT NULL OR q.held_table IS NULL
-                 OR EXISTS (SELECT 1 FROM trellara.schema_changes c
-                            WHERE c.flow = q.flow AND c.barrier_id = 'accepted:' || q.held_table || '@' || q.commit_lsn::text)
-             FROM trellara.quarantine q WHERE q.flow = $1 AND q.commit_lsn = $2::text::pg_lsn",
-            &[&flow, &commit_lsn.to_string()],
+            "SELECT resolved_at IS NOT NULL, held_table, held_schema FROM trellara.quarantine
+             WHERE flow = $1 AND commit_lsn = $2::text::pg_lsn",
+            &[&flow, &commit],
         )
         .await?;
-    Ok(row.is_none_or(|r| r.get(0)))
+    let Some(row) = row else {
+        return Ok(true);
+    };
+    let (resolved, table, schema): (bool, Option<String>, Option<Vec<u8>>) =
+        (row.get(0), row.get(1), row.get(2));
+    let Some(table) = table.filter(|_| !resolved) else {
+        return Ok(true);
+    };
+    // A description that cannot be read was never accepted: the sink
+    // holds until a copy resolves it.
+    let after = schema
+        .and_then(|s| prost::Message::decode(s.as_slice()).ok())
+        .map(|r: trellara_common::envelope::RelationSchema| r.fingerprint as i64);
+    match after {
+        Some(after) => super::schema::accepted(client, flow, &table, &commit, after).await,
+        None => Ok(false),
+    }
 }

@@ -1,7 +1,7 @@
 //! `trellara.schema_changes`: each schema change a sink applied, or found
 //! its target already had, with its barrier; and each held change the
 //! operator accepted (`schema accept`), under the barrier
-//! `accepted:TABLE@COMMIT` ([`acceptance`]). A row is written in the
+//! `accepted:TABLE@COMMIT/FINGERPRINT` ([`acceptance`]). A row is written in the
 //! target transaction of the change's first rows (the sink's
 //! acknowledgement), and the table's pinned fingerprint in
 //! `trellara.snapshot_tables` moves in that same transaction.
@@ -65,8 +65,8 @@ pub async fn changes(
 /// The barrier under which `schema accept` records the operator's
 /// acceptance of every held change on `table` in the transaction at
 /// `commit_lsn` (text form).
-pub fn acceptance(table: &str, commit_lsn: &str) -> String {
-    format!("accepted:{table}@{commit_lsn}")
+pub fn acceptance(table: &str, commit_lsn: &str, after: i64) -> String {
+    format!("accepted:{table}@{commit_lsn}/{after}")
 }
 
 /// Records that the operator applied the held changes on `table` of the
@@ -89,23 +89,26 @@ pub async fn accept(
                      coalesce((SELECT fingerprint FROM trellara.snapshot_tables WHERE flow = $1 AND table_name = $3), 0),
                      $6, 'already_present')
              ON CONFLICT (flow, barrier_id) DO NOTHING",
-            &[&flow, &acceptance(table, commit_lsn), &table, &commit_lsn, &reason, &after],
+            &[&flow, &acceptance(table, commit_lsn, after), &table, &commit_lsn, &reason, &after],
         )
         .await?;
     Ok(())
 }
 
-/// Whether the held changes on `table` at `commit_lsn` were accepted.
+/// Whether the held changes on `table` at `commit_lsn` that leave it at
+/// the fingerprint `after` were accepted: one transaction may change a
+/// table twice, and each description is accepted on its own.
 pub async fn accepted(
     client: &impl GenericClient,
     flow: &str,
     table: &str,
     commit_lsn: &str,
+    after: i64,
 ) -> Result<bool, tokio_postgres::Error> {
     Ok(client
         .query_one(
             "SELECT EXISTS (SELECT 1 FROM trellara.schema_changes WHERE flow = $1 AND barrier_id = $2)",
-            &[&flow, &acceptance(table, commit_lsn)],
+            &[&flow, &acceptance(table, commit_lsn, after)],
         )
         .await?
         .get(0))
