@@ -7,13 +7,18 @@
 //!   of that description, of the source's type with a modifier that takes
 //!   its values unchanged, and no column of its own that a row under the new
 //!   description could not be inserted without (NOT NULL, no default). A
-//!   target that does not match is named with what it lacks.
+//!   target that does not match is named with what it lacks. Each target's
+//!   table is locked against DDL (SHARE UPDATE EXCLUSIVE, reads and writes
+//!   go on) from its check to its record, so what was checked is what is
+//!   accepted.
 //! * The acceptance is one row per held transaction in that target's
 //!   `trellara.schema_changes` (barrier `accepted:T@C/F`, F the fingerprint after,
 //!   [`state::schema::acceptance`]), nothing else: the held sink reads it,
 //!   goes on from that very transaction, passes its changes on T without
 //!   DDL and moves T's pin in the transaction of its rows. A crash on
 //!   either side leaves the hold or the acceptance, never half of one.
+
+use std::collections::HashMap;
 
 use crate::apply::fits;
 use crate::config::Flow;
@@ -68,6 +73,8 @@ pub enum AcceptError {
     Flow(#[from] FlowError),
     #[error("target database")]
     Target(#[from] tokio_postgres::Error),
+    #[error("source database")]
+    Source(#[source] tokio_postgres::Error),
 }
 
 /// One sink released.
@@ -102,6 +109,7 @@ pub async fn accept(
     let table_name = table.to_string();
     let mut checked = Vec::new();
     let mut held_elsewhere = Vec::new();
+    let mut source = None;
     for sink in sinks.iter().filter(|s| only.is_none_or(|o| o == s.name)) {
         let target = connect(&sink_url(flow, index, *sink)?, "target").await?;
         if !state::current(&target).await? {
@@ -117,6 +125,23 @@ pub async fn accept(
             );
             continue;
         }
+        // Held from the check to the record: no ALTER of the table lands
+        // in between (plain reads and writes go on).
+        target
+            .batch_execute("BEGIN; SET LOCAL lock_timeout = '10s'")
+            .await?;
+        let exists: bool = target
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table.quoted()])
+            .await?
+            .get(0);
+        if exists {
+            target
+                .batch_execute(&format!(
+                    "LOCK TABLE {} IN SHARE UPDATE EXCLUSIVE MODE",
+                    table.quoted()
+                ))
+                .await?;
+        }
         let mut columns = 0;
         for hold in &holds {
             let schema: RelationSchema =
@@ -128,7 +153,26 @@ pub async fn accept(
                         detail: e.to_string(),
                     }
                 })?;
-            let problems = mismatches(&target, table, &schema).await?;
+            // A type of the source's own is named by the source only.
+            let own = schema
+                .columns
+                .iter()
+                .any(|c| c.type_oid >= FIRST_NORMAL_OID);
+            if own && source.is_none() {
+                let url = flow
+                    .source
+                    .url
+                    .resolve(&format!("flows[{index}].source"))
+                    .map_err(FlowError::from)?;
+                source = Some(connect(&url, "source").await?);
+            }
+            let named = match &source {
+                Some(source) => source_types(source, &schema)
+                    .await
+                    .map_err(AcceptError::Source)?,
+                None => HashMap::new(),
+            };
+            let problems = mismatches(&target, (table, &named), &schema).await?;
             if !problems.is_empty() {
                 return Err(AcceptError::Mismatch {
                     flow: flow.name.clone(),
@@ -153,13 +197,13 @@ pub async fn accept(
         });
     }
     let mut released = Vec::new();
-    for (sink, mut target, holds, columns) in checked {
-        let tx = target.transaction().await?;
+    for (sink, target, holds, columns) in checked {
+        let tx = &target;
         for hold in &holds {
             let after: RelationSchema =
                 prost::Message::decode(hold.schema.as_slice()).unwrap_or_default();
             state::schema::accept(
-                &tx,
+                tx,
                 &flow.name,
                 &table_name,
                 &hold.commit_lsn,
@@ -168,7 +212,7 @@ pub async fn accept(
             )
             .await?;
         }
-        tx.commit().await?;
+        target.batch_execute("COMMIT").await?;
         released.push(Released {
             sink,
             commit_lsns: holds.into_iter().map(|h| h.commit_lsn).collect(),
@@ -178,17 +222,47 @@ pub async fn accept(
     Ok(released)
 }
 
-/// What keeps the target's `table` from taking rows under `schema`.
+/// The schema-qualified name of each type of the source's own (an enum,
+/// a domain, a composite) that `schema`'s columns have, by OID.
+pub(crate) async fn source_types(
+    source: &tokio_postgres::Client,
+    schema: &RelationSchema,
+) -> Result<HashMap<u32, String>, tokio_postgres::Error> {
+    let oids: Vec<i64> = schema
+        .columns
+        .iter()
+        .filter(|c| c.type_oid >= FIRST_NORMAL_OID)
+        .map(|c| i64::from(c.type_oid))
+        .collect();
+    if oids.is_empty() {
+        return Ok(HashMap::new());
+    }
+    Ok(source
+        .query(
+            "SELECT t.oid::int8, n.nspname || '.' || t.typname FROM pg_type t
+             JOIN pg_namespace n ON n.oid = t.typnamespace WHERE t.oid::int8 = ANY($1)",
+            &[&oids],
+        )
+        .await?
+        .iter()
+        .map(|r| (u32::try_from(r.get::<_, i64>(0)).unwrap_or(0), r.get(1)))
+        .collect())
+}
+
+/// What keeps the target's `table` from taking rows under `schema`;
+/// `named`: the source's own types by OID ([`source_types`]), matched
+/// by schema-qualified name and modifier.
 pub(crate) async fn mismatches(
     target: &tokio_postgres::Client,
-    table: &TableName,
+    (table, named): (&TableName, &HashMap<u32, String>),
     schema: &RelationSchema,
 ) -> Result<Vec<String>, tokio_postgres::Error> {
     let rows = target
         .query(
             "SELECT a.attname::text, a.atttypid::int8, a.atttypmod, format_type(a.atttypid, a.atttypmod),
-                    a.attnotnull AND NOT a.atthasdef AND a.attidentity = '' AND a.attgenerated = ''
-             FROM pg_attribute a
+                    a.attnotnull AND NOT a.atthasdef AND a.attidentity = '' AND a.attgenerated = '',
+                    n.nspname || '.' || t.typname
+             FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid JOIN pg_namespace n ON n.oid = t.typnamespace
              WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
              ORDER BY a.attnum",
             &[&table.quoted()],
@@ -209,11 +283,23 @@ pub(crate) async fn mismatches(
             row.get::<_, String>(3),
         );
         // A type of the source's own (an enum, a domain) has an OID only
-        // the source knows: its name on the target is the operator's.
-        if column.type_oid < FIRST_NORMAL_OID
-            && (oid != column.type_oid
-                || !fits(column.type_oid, column.type_modifier, oid, modifier))
-        {
+        // the source knows: the target's must have its name.
+        if column.type_oid >= FIRST_NORMAL_OID {
+            let target_type: String = row.get(5);
+            match named.get(&column.type_oid) {
+                Some(wanted) if *wanted == target_type && modifier == column.type_modifier => {}
+                Some(wanted) => problems.push(format!(
+                    "column {} is {spelled} on the target, not the source's {wanted}",
+                    column.name
+                )),
+                None => problems.push(format!(
+                    "column {} has a type (OID {}) the source no longer has, so the target's {spelled} cannot be checked against it",
+                    column.name, column.type_oid
+                )),
+            }
+            continue;
+        }
+        if oid != column.type_oid || !fits(column.type_oid, column.type_modifier, oid, modifier) {
             let wanted: String = target
                 .query_one(
                     "SELECT format_type($1::int8::oid, $2)",

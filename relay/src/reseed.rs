@@ -449,7 +449,10 @@ impl<'f> Refuse<'f> {
         for hold in holds {
             let after: trellara_common::envelope::RelationSchema =
                 prost::Message::decode(hold.schema.as_slice()).unwrap_or_default();
-            let problems = crate::accept::mismatches(target, &name, &after)
+            let named = crate::accept::source_types(source, &after)
+                .await
+                .map_err(ReseedError::Source)?;
+            let problems = crate::accept::mismatches(target, (&name, &named), &after)
                 .await
                 .map_err(ReseedError::Target)?;
             if !problems.is_empty() {

@@ -1191,6 +1191,56 @@ fn two_held_changes_of_one_table_in_one_transaction_are_accepted_each() {
     });
 }
 
+/// A held column of a type of the source's own (an enum): `schema
+/// accept` holds the target's column to that type by its qualified name.
+#[test]
+fn accept_holds_a_column_of_the_sources_own_type_to_its_name() {
+    on_every_major(|major| {
+        let Some(p) = pair(major) else {
+            return;
+        };
+        let d = p.dir.path();
+        workload(&p.source, 1, 2);
+        let run = ["run", "--config", "trellara.yml", "--local"];
+        ok(&trellara(d, &run), "first run");
+        p.source.psql(
+            "CREATE TYPE public.mood AS ENUM ('ok', 'bad');
+             ALTER TABLE public.orders ADD COLUMN m public.mood NOT NULL DEFAULT 'ok';
+             INSERT INTO public.orders VALUES (100, 'c', 0, 'bad');",
+        );
+        fails(&trellara(d, &run), 1);
+        let accept = [
+            "schema",
+            "accept",
+            "--config",
+            "trellara.yml",
+            "--table",
+            "public.orders",
+        ];
+        p.target
+            .psql("ALTER TABLE public.orders ADD COLUMN m text NOT NULL DEFAULT 'ok'");
+        let err = fails(&trellara(d, &accept), 1);
+        assert!(
+            err.contains("column m is text on the target, not the source's public.mood"),
+            "{major}: {err}"
+        );
+        p.target.psql(
+            "CREATE TYPE public.mood AS ENUM ('ok', 'bad');
+             ALTER TABLE public.orders DROP COLUMN m;
+             ALTER TABLE public.orders ADD COLUMN m public.mood NOT NULL DEFAULT 'ok';",
+        );
+        ok(&trellara(d, &accept), "accept");
+        ok(&trellara(d, &run), "run past the change");
+        assert_eq!(
+            p.target.psql_value(
+                "SELECT string_agg(id || ':' || m, ',' ORDER BY id) FROM public.orders"
+            ),
+            "1:ok,2:ok,100:bad",
+            "{major}"
+        );
+    });
+}
+
 /// ADD COLUMN inside a transaction large enough to stream while it runs:
 /// the change takes its place among the rows, its default reaches the
 /// target's old rows though the catalog holds it only once the transaction
