@@ -369,6 +369,24 @@ pub(crate) fn fits(source_oid: u32, source_mod: i32, target_oid: u32, target_mod
     }
 }
 
+/// A hold of rows no event explained, with why none did on `env`'s path.
+fn unexplained_on(env: &Envelope, refusal: Refusal) -> Refusal {
+    use trellara_common::envelope::capture::Path;
+    let Refusal::Held(mut hold) = refusal else {
+        return refusal;
+    };
+    let native = env
+        .capture
+        .as_ref()
+        .is_some_and(|c| c.path == Path::Native as i32);
+    hold.reason.push_str(if native {
+        " (native capture propagates no schema change yet)"
+    } else {
+        " (external capture logs an event for each change it sees: the table's pin on this target is not the description the log had before it, as when a copy pinned a newer one)"
+    });
+    Refusal::Held(hold)
+}
+
 pub(crate) fn missing_table(relation: &RelationSchema) -> String {
     format!(
         "target table {} does not exist",
@@ -1712,7 +1730,8 @@ impl<T: Target> Applier<T> {
                 pinned.push(row.relation_id);
                 self.target
                     .keep_pin(&self.flow, Lsn(env.commit_lsn), relation)
-                    .await?;
+                    .await
+                    .map_err(|refusal| unexplained_on(env, refusal))?;
             }
             stats.rows += 1;
             if row.operation == Operation::Truncate as i32 {

@@ -902,7 +902,7 @@ impl Target for PgTarget {
         let changes = crate::contract::unexplained(schema.as_ref(), fingerprint, relation);
         Err(Refusal::Held(Box::new(super::Hold {
             reason: format!(
-                "its rows arrive under a description that no schema event explained (native capture propagates no schema change yet): {}",
+                "its rows arrive under a description that no schema event explained: {}",
                 changes.join("; ")
             ),
             table,
