@@ -12,6 +12,29 @@ fn trellara(args: &[&str]) -> std::process::Output {
         .expect("run trellara")
 }
 
+/// `--version` names the version and the commit the binary was built
+/// from, the checkout's own when it is built from one.
+#[test]
+fn version_names_the_commit_it_was_built_from() {
+    let out = trellara(&["--version"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map_or("unknown".to_owned(), |o| {
+            String::from_utf8_lossy(&o.stdout).trim().to_owned()
+        });
+    assert_eq!(
+        text.trim(),
+        format!("trellara {} (commit {head})", env!("CARGO_PKG_VERSION")),
+        "{text}"
+    );
+}
+
 /// The short help shows exactly the nine public commands; the operator
 /// and evidence commands (relay, apply, chaos, log, ...) stay out of it.
 #[test]

@@ -36,7 +36,7 @@ use std::process::ExitCode;
 #[derive(Debug, Parser)]
 #[command(
     name = "trellara",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("TRELLARA_COMMIT"), ")"),
     about = "Verified change data for PostgreSQL",
     long_about = None,
     // The short help lists the nine public commands and no tenth
