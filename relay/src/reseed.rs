@@ -28,14 +28,17 @@
 //!
 //! A sink held at a schema change of T (its open quarantine records are
 //! holds of T alone) has no apply to fence: it stays below the change.
-//! Once its target's T takes the columns of the held description, T is
-//! copied at a boundary of its own as a joining table is (a temporary
-//! slot's snapshot; emptied and copied in one target transaction, its pin
-//! and boundary recorded), and then the holds below that boundary are
-//! resolved, so the sink goes on from the held transaction passing T's
-//! share of everything up to it. Until it has caught up, T is ahead of the
-//! other tables: that is the one reseed whose readers may see a
-//! transaction's share of T before its share of another table.
+//! Once its target's T takes the description after each held change, T
+//! is copied at a boundary B of its own, a temporary slot's exported
+//! snapshot, the same way as above (DELETE and COPY in one target
+//! transaction, T locked on the source, a rewrite refused); that
+//! transaction also holds T in SHARE UPDATE EXCLUSIVE mode, as `schema
+//! accept` does (an accept since the first look refuses the copy), checks
+//! the target takes the description the copy pinned, and resolves the
+//! holds below B. The sink goes on from the held transaction passing T's
+//! share of everything before B. Until it has caught up, T is ahead of
+//! the other tables: the one reseed whose readers may see a transaction's
+//! share of T before its share of another table.
 
 use crate::config::Flow;
 use crate::fence::FenceError;
@@ -89,6 +92,15 @@ pub enum ReseedError {
         table: String,
         commit_lsn: String,
         problems: Vec<String>,
+        config: String,
+    },
+    #[error(
+        "flow {flow}: the hold at {commit_lsn} on {table} was accepted while this reseed looked, so the sink goes on from it by itself; nothing was copied\nhint: reseed the table again once `trellara status --config {config} --flow {flow}` shows the sink following"
+    )]
+    ReleasedMeanwhile {
+        flow: String,
+        table: String,
+        commit_lsn: String,
         config: String,
     },
     #[error(
@@ -192,7 +204,12 @@ pub async fn table(
         .await?;
     if !holds.is_empty() {
         return refuse
-            .release(sink, (source_url, source, target), &holds, progress)
+            .release(
+                (sink, timeout),
+                (source_url, source, target),
+                &holds,
+                progress,
+            )
             .await;
     }
     // Outside the fence's snapshot: the table as it is now.
@@ -347,8 +364,11 @@ impl<'f> Refuse<'f> {
         let open = crate::state::quarantine::open(target, name)
             .await
             .map_err(ReseedError::Target)?;
-        let ours = !open.is_empty() && open.iter().all(|q| q.held_table.as_deref() == Some(table));
-        if let Some(q) = open.into_iter().find(|_| !ours) {
+        let ours = !open.is_empty();
+        if let Some(q) = open
+            .into_iter()
+            .find(|q| q.held_table.as_deref() != Some(table))
+        {
             return Err(ReseedError::Quarantined {
                 flow: name.clone(),
                 commit_lsn: q.commit_lsn,
@@ -421,49 +441,27 @@ impl<'f> Refuse<'f> {
                 });
             }
         }
-        // A held sink's copy empties the table with TRUNCATE (as a
-        // joining table's), which fires no DELETE trigger.
-        self.dependents(target, qualified, holds.is_empty()).await?;
+        self.dependents(target, qualified, true).await?;
         Ok((log_dir, holds))
     }
 
     /// Releases a sink held at schema changes of the table (`holds`, its
     /// only open quarantine records): checks the target's table takes
     /// the description after each, copies the table at a boundary of its
-    /// own, then resolves the holds below it (see the module docs).
+    /// own and resolves the holds below it in the copy's transaction (see
+    /// the module docs).
     async fn release(
         &self,
-        sink: &str,
+        (sink, timeout): (&str, Duration),
         (source_url, source, target): (&str, &Client, &Client),
         holds: &[crate::state::quarantine::Hold],
         progress: &mut dyn FnMut(&str),
     ) -> Result<Reseeded, ReseedError> {
         let (flow, table) = (self.flow, self.table);
-        let name = trellara_common::table_name::TableName::parse(table).map_err(|_| {
-            ReseedError::Missing {
-                flow: flow.name.clone(),
-                table: table.to_owned(),
-                side: "source",
-            }
-        })?;
+        let qualified = crate::config::quote_table(table).unwrap_or_else(|| table.to_owned());
         for hold in holds {
-            let after: trellara_common::envelope::RelationSchema =
-                prost::Message::decode(hold.schema.as_slice()).unwrap_or_default();
-            let named = crate::accept::source_types(source, &after)
-                .await
-                .map_err(ReseedError::Source)?;
-            let problems = crate::accept::mismatches(target, (&name, &named), &after)
-                .await
-                .map_err(ReseedError::Target)?;
-            if !problems.is_empty() {
-                return Err(ReseedError::HeldMismatch {
-                    flow: flow.name.clone(),
-                    table: table.to_owned(),
-                    commit_lsn: hold.commit_lsn.clone(),
-                    problems,
-                    config: self.config.to_owned(),
-                });
-            }
+            self.takes(source, target, &hold.commit_lsn, Some(&hold.schema))
+                .await?;
         }
         progress(&format!(
             "reseed {table}: the sink holds at a schema change of it ({}); copying it at a boundary of its own",
@@ -473,14 +471,88 @@ impl<'f> Refuse<'f> {
                 .collect::<Vec<_>>()
                 .join(", ")
         ));
+        let watch = crate::session::connect(source_url, "source").await?;
+        let (_slot, snapshot, boundary) =
+            crate::snapshot::own_boundary(source_url, source, timeout).await?;
+        let lock_timeout = format!("SET LOCAL lock_timeout = '{}s'", timeout.as_secs());
         let started = Instant::now();
-        let (boundary, rows) =
-            crate::snapshot::copy_again(flow, source_url, (source, target), table, progress)
-                .await?;
-        let copy = started.elapsed();
-        // After the copy's commit: a crash in between leaves the hold,
-        // which the next reseed releases.
+        source
+            .batch_execute(&format!(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{snapshot}';
+                 SET LOCAL statement_timeout = 0; {lock_timeout}; LOCK TABLE {qualified} IN ACCESS SHARE MODE"
+            ))
+            .await
+            .map_err(ReseedError::Source)?;
+        let seen = crate::verify::catalog_stamp(source, &qualified)
+            .await
+            .map_err(ReseedError::Source)?;
+        // SHARE UPDATE EXCLUSIVE as `schema accept` takes it: an accept
+        // and this copy come one after the other, never interleaved.
+        target
+            .batch_execute(&format!(
+                "BEGIN; SET LOCAL statement_timeout = 0; {lock_timeout};
+                 LOCK TABLE {qualified} IN SHARE UPDATE EXCLUSIVE MODE"
+            ))
+            .await
+            .map_err(ReseedError::Target)?;
+        // Under the lock: a hold accepted since the first look lets its
+        // sink apply on from the hold, over what this copy would hold.
+        for hold in holds {
+            let lsn = hold.commit_lsn.parse().unwrap_or_default();
+            if crate::state::quarantine::released(target, &flow.name, lsn)
+                .await
+                .map_err(ReseedError::Target)?
+            {
+                return Err(ReseedError::ReleasedMeanwhile {
+                    flow: flow.name.clone(),
+                    table: table.to_owned(),
+                    commit_lsn: hold.commit_lsn.clone(),
+                    config: self.config.to_owned(),
+                });
+            }
+        }
+        self.dependents(target, &qualified, true).await?;
+        target
+            .batch_execute(&format!("DELETE FROM {qualified}"))
+            .await
+            .map_err(ReseedError::Target)?;
+        let rows = crate::snapshot::copy_in_snapshot(
+            table,
+            (source, target),
+            &flow.name,
+            Some(boundary),
+            progress,
+        )
+        .await?;
+        // The copy pinned the table as the snapshot has it, which may be
+        // past the holds: the target must take that description too.
+        let pinned = crate::state::runs::tables(target, &flow.name)
+            .await
+            .map_err(ReseedError::Target)?
+            .into_iter()
+            .find(|t| t.name == table)
+            .and_then(|t| t.schema)
+            .map(|s| prost::Message::encode_to_vec(&s));
+        self.takes(source, target, &boundary.to_string(), pinned.as_deref())
+            .await?;
+        let now = crate::verify::catalog_stamp(&watch, &qualified)
+            .await
+            .map_err(ReseedError::Source)?;
+        if now != seen {
+            return Err(ReseedError::SchemaMoved {
+                table: table.to_owned(),
+                at: boundary.to_string(),
+            });
+        }
         let released = crate::state::quarantine::release_below(target, &flow.name, table, boundary)
+            .await
+            .map_err(ReseedError::Target)?;
+        source
+            .batch_execute("COMMIT")
+            .await
+            .map_err(ReseedError::Source)?;
+        target
+            .batch_execute("COMMIT")
             .await
             .map_err(ReseedError::Target)?;
         Ok(Reseeded {
@@ -490,9 +562,52 @@ impl<'f> Refuse<'f> {
             boundary_lsn: boundary.to_string(),
             rows,
             apply_held_ms: 0,
-            copy_ms: u64::try_from(copy.as_millis()).unwrap_or(u64::MAX),
+            copy_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
             released,
         })
+    }
+
+    /// Whether the target's table takes rows under `schema` (an encoded
+    /// description, held at `at`): refused by name otherwise, as an
+    /// unreadable one is.
+    async fn takes(
+        &self,
+        source: &Client,
+        target: &Client,
+        at: &str,
+        schema: Option<&[u8]>,
+    ) -> Result<(), ReseedError> {
+        let (flow, table) = (self.flow, self.table);
+        let refused = |problems: Vec<String>| ReseedError::HeldMismatch {
+            flow: flow.name.clone(),
+            table: table.to_owned(),
+            commit_lsn: at.to_owned(),
+            problems,
+            config: self.config.to_owned(),
+        };
+        let after: trellara_common::envelope::RelationSchema =
+            match schema.map(prost::Message::decode) {
+                Some(Ok(after)) => after,
+                _ => {
+                    return Err(refused(vec![
+                        "the table's description there cannot be read".into(),
+                    ]));
+                }
+            };
+        let Ok(name) = trellara_common::table_name::TableName::parse(table) else {
+            return Err(refused(vec![format!("{table} is not schema.table")]));
+        };
+        let named = crate::accept::source_types(source, &after)
+            .await
+            .map_err(ReseedError::Source)?;
+        let problems = crate::accept::mismatches(target, (&name, &named), &after)
+            .await
+            .map_err(ReseedError::Target)?;
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(refused(problems))
+        }
     }
 
     /// What the DELETE would reach beyond the table's rows on the target:

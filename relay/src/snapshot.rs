@@ -476,9 +476,7 @@ pub async fn join(
     if let Some(change) = io.ensure_publication().await? {
         progress(&format!("join: {change}"));
     }
-    let joined = copy_at_own_boundary(&mut io, tables, "join", progress)
-        .await
-        .map(|(boundary, _)| boundary);
+    let joined = copy_at_own_boundary(&mut io, tables, progress).await;
     if joined.is_err() && !unlisted.is_empty() {
         // Not left streaming tables the target never got.
         let undo = format!(
@@ -503,31 +501,52 @@ pub async fn join(
     joined
 }
 
-/// Copies `table`, already one of the flow's, again at a boundary of its
-/// own, as [`join`] copies a table that joins: emptied and copied in one
-/// target transaction, its pin and boundary recorded there, so the
-/// applier passes its changes that committed before the boundary. The
-/// boundary and the rows copied.
-pub async fn copy_again(
-    flow: &Flow,
+/// A boundary of its own for one copy (`reseed --table` of a held sink):
+/// a temporary slot, created within `timeout`, and its exported snapshot
+/// and consistent point. Both live as long as the returned connection.
+pub(crate) async fn own_boundary(
     source_url: &str,
-    (source, target): (&Client, &Client),
-    table: &str,
-    progress: &mut dyn FnMut(&str),
-) -> Result<(Lsn, u64), SnapshotError> {
-    let mut io = PgSnapshot::new(flow, source_url, (source, target), None);
-    copy_at_own_boundary(&mut io, &[table.to_owned()], "reseed", progress).await
+    source: &Client,
+    timeout: Duration,
+) -> Result<(Connection, String, Lsn), SnapshotError> {
+    let mut options: ConnectOptions = source_url.parse()?;
+    options.replication = true;
+    let mut repl = Connection::connect(&options).await?;
+    let pid = repl.backend_pid();
+    let name = format!("trellara_reseed_{pid}");
+    let created = {
+        let create = repl.create_temporary_slot(&name);
+        tokio::time::timeout(timeout, slot_created(create, &name, source, pid, None)).await
+    };
+    let created = match created {
+        Ok(created) => created?,
+        Err(_) => {
+            let waiting = blocking_transactions(source, pid).await;
+            // Not left waiting on the server to make a slot nobody reads.
+            let _ = source
+                .execute("SELECT pg_cancel_backend($1)", &[&pid])
+                .await;
+            return Err(SnapshotError::Table {
+                table: "-".into(),
+                problem: format!(
+                    "a temporary slot for the copy's boundary was not made within {} s, waiting for: {waiting}",
+                    timeout.as_secs(),
+                ),
+                hint: "let those transactions end (COMMIT PREPARED / ROLLBACK PREPARED a prepared one), or reseed with a longer --fence-timeout".into(),
+            });
+        }
+    };
+    let snapshot = created.snapshot_name.ok_or_else(no_snapshot)?;
+    Ok((repl, snapshot, created.consistent_point))
 }
 
 /// [`join`]'s copy: a temporary slot's snapshot, every table emptied and
-/// copied in one target transaction; the slot's consistent point and the
-/// rows copied.
+/// copied in one target transaction; the slot's consistent point.
 async fn copy_at_own_boundary(
     io: &mut PgSnapshot<'_>,
     tables: &[String],
-    what: &str,
     progress: &mut dyn FnMut(&str),
-) -> Result<(Lsn, u64), SnapshotError> {
+) -> Result<Lsn, SnapshotError> {
     let (source, source_url) = (io.source, io.source_url);
     let mut options: ConnectOptions = source_url.parse()?;
     options.replication = true;
@@ -542,17 +561,13 @@ async fn copy_at_own_boundary(
     let boundary = created.consistent_point;
     io.boundary = Some(boundary);
     progress(&format!(
-        "{what}: copying {} at a boundary of their own, {boundary}",
+        "join: copying {} at a boundary of their own, {boundary}",
         tables.join(", ")
     ));
     let order = io.prepare_copy(tables).await?;
-    let mut copied = 0;
     for table in &order {
         match io.copy_table(table, &snapshot, progress).await {
-            Ok(rows) => {
-                progress(&format!("{what}: copied {rows} rows of {table}"));
-                copied += rows;
-            }
+            Ok(rows) => progress(&format!("join: copied {rows} rows of {table}")),
             Err(e) => {
                 io.abort_copy().await;
                 return Err(e);
@@ -562,7 +577,7 @@ async fn copy_at_own_boundary(
     io.finish_copy().await?;
     // The exported snapshot and the temporary slot end with the session.
     drop(repl);
-    Ok((boundary, copied))
+    Ok(boundary)
 }
 
 /// A slot created without the snapshot it was asked to export.

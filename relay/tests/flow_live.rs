@@ -1066,23 +1066,35 @@ fn a_held_change_is_released_by_a_one_table_reseed() {
         });
         p.target
             .psql("ALTER TABLE public.orders ADD COLUMN code int");
-        let out = ok(
-            &trellara(
-                d,
-                &[
-                    "reseed",
-                    "--config",
-                    "trellara.yml",
-                    "--flow",
-                    "shop",
-                    "--table",
-                    "public.orders",
-                    "--format",
-                    "json",
-                ],
-            ),
-            "reseed --table",
+        let reseed = [
+            "reseed",
+            "--config",
+            "trellara.yml",
+            "--flow",
+            "shop",
+            "--table",
+            "public.orders",
+            "--format",
+            "json",
+        ];
+        // Changed again on the source since the hold: the copy pins that
+        // description, which the target must take too; refused in the
+        // copy's transaction, which leaves the table as it was.
+        p.source
+            .psql("ALTER TABLE public.orders ALTER COLUMN total TYPE numeric(14,2)");
+        let err = fails(&trellara(d, &reseed), 1);
+        assert!(
+            err.contains("column total is numeric(12,2) on the target"),
+            "{major}: {err}"
         );
+        assert_eq!(
+            p.target.psql_value("SELECT count(*) FROM public.orders"),
+            "5",
+            "{major}: nothing emptied"
+        );
+        p.target
+            .psql("ALTER TABLE public.orders ALTER COLUMN total TYPE numeric(14,2)");
+        let out = ok(&trellara(d, &reseed), "reseed --table");
         let v: serde_json::Value = serde_json::from_str(&out).expect("json");
         assert_eq!(v[0]["rows"], 9, "{major}: {v}");
         assert_eq!(
