@@ -871,7 +871,9 @@ async fn compare_tables(
             let (why, recovery) = if held {
                 (
                     "a schema change held on this sink: see its quarantine",
-                    format!("apply the change on the target, then `{accept} {table}`; or {reseed}"),
+                    format!(
+                        "apply the change on the target, then `{accept} {table}` (or, the target's table made to take the source's columns, `{reseed} --table {table}` while the flow follows); or {reseed}"
+                    ),
                 )
             } else {
                 (
