@@ -266,33 +266,10 @@ pub async fn table(
                 }
                 .into());
             }
-            // Again under the table's lock: a constraint or trigger added
-            // since the first look.
-            refuse.dependents(target, &qualified, true).await?;
-            target
-                .batch_execute(&format!("DELETE FROM {qualified}"))
-                .await
-                .map_err(ReseedError::Target)?;
-            let rows = crate::snapshot::copy_in_snapshot(
-                table,
-                (source, target),
-                &flow.name,
-                Some(at),
-                progress,
-            )
-            .await?;
-            // A snapshot reads the catalog as of L but the rows through
-            // the table's current files: a rewrite or TRUNCATE after L, of
-            // it or a partition, shows it none.
-            let now = crate::verify::catalog_stamp(&watch, &qualified)
-                .await
-                .map_err(ReseedError::Source)?;
-            if now != seen {
-                return Err(ReseedError::SchemaMoved {
-                    table: table.to_owned(),
-                    at: at.to_string(),
-                });
-            }
+            let rows = refuse
+                .empty_and_copy((source, target), &qualified, at, progress)
+                .await?;
+            refuse.unmoved(&watch, &qualified, &seen, at).await?;
             // The source's is read-only: ended first, so that nothing can
             // fail once the copy is committed.
             source
@@ -460,8 +437,8 @@ impl<'f> Refuse<'f> {
         let (flow, table) = (self.flow, self.table);
         let qualified = crate::config::quote_table(table).unwrap_or_else(|| table.to_owned());
         for hold in holds {
-            self.takes(source, target, &hold.commit_lsn, Some(&hold.schema))
-                .await?;
+            let after = prost::Message::decode(hold.schema.as_slice()).ok();
+            self.takes(source, target, &hold.commit_lsn, after).await?;
         }
         progress(&format!(
             "reseed {table}: the sink holds at a schema change of it ({}); copying it at a boundary of its own",
@@ -473,7 +450,8 @@ impl<'f> Refuse<'f> {
         ));
         let watch = crate::session::connect(source_url, "source").await?;
         let (_slot, snapshot, boundary) =
-            crate::snapshot::own_boundary(source_url, source, timeout).await?;
+            crate::snapshot::temporary_slot((source_url, source), "reseed", None, Some(timeout))
+                .await?;
         let lock_timeout = format!("SET LOCAL lock_timeout = '{}s'", timeout.as_secs());
         let started = Instant::now();
         source
@@ -498,11 +476,15 @@ impl<'f> Refuse<'f> {
         // Under the lock: a hold accepted since the first look lets its
         // sink apply on from the hold, over what this copy would hold.
         for hold in holds {
-            let lsn = hold.commit_lsn.parse().unwrap_or_default();
-            if crate::state::quarantine::released(target, &flow.name, lsn)
-                .await
-                .map_err(ReseedError::Target)?
-            {
+            // An LSN the target printed; one that does not parse is
+            // treated as released, which refuses the copy.
+            let released = match hold.commit_lsn.parse() {
+                Ok(lsn) => crate::state::quarantine::released(target, &flow.name, lsn)
+                    .await
+                    .map_err(ReseedError::Target)?,
+                Err(_) => true,
+            };
+            if released {
                 return Err(ReseedError::ReleasedMeanwhile {
                     flow: flow.name.clone(),
                     table: table.to_owned(),
@@ -511,19 +493,9 @@ impl<'f> Refuse<'f> {
                 });
             }
         }
-        self.dependents(target, &qualified, true).await?;
-        target
-            .batch_execute(&format!("DELETE FROM {qualified}"))
-            .await
-            .map_err(ReseedError::Target)?;
-        let rows = crate::snapshot::copy_in_snapshot(
-            table,
-            (source, target),
-            &flow.name,
-            Some(boundary),
-            progress,
-        )
-        .await?;
+        let rows = self
+            .empty_and_copy((source, target), &qualified, boundary, progress)
+            .await?;
         // The copy pinned the table as the snapshot has it, which may be
         // past the holds: the target must take that description too.
         let pinned = crate::state::runs::tables(target, &flow.name)
@@ -531,19 +503,10 @@ impl<'f> Refuse<'f> {
             .map_err(ReseedError::Target)?
             .into_iter()
             .find(|t| t.name == table)
-            .and_then(|t| t.schema)
-            .map(|s| prost::Message::encode_to_vec(&s));
-        self.takes(source, target, &boundary.to_string(), pinned.as_deref())
+            .and_then(|t| t.schema);
+        self.takes(source, target, &boundary.to_string(), pinned)
             .await?;
-        let now = crate::verify::catalog_stamp(&watch, &qualified)
-            .await
-            .map_err(ReseedError::Source)?;
-        if now != seen {
-            return Err(ReseedError::SchemaMoved {
-                table: table.to_owned(),
-                at: boundary.to_string(),
-            });
-        }
+        self.unmoved(&watch, &qualified, &seen, boundary).await?;
         let released = crate::state::quarantine::release_below(target, &flow.name, table, boundary)
             .await
             .map_err(ReseedError::Target)?;
@@ -567,15 +530,63 @@ impl<'f> Refuse<'f> {
         })
     }
 
-    /// Whether the target's table takes rows under `schema` (an encoded
-    /// description, held at `at`): refused by name otherwise, as an
-    /// unreadable one is.
+    /// Under the table's lock, inside the target transaction: refuses a
+    /// constraint or trigger added since the first look, empties the
+    /// table and copies it from `source`'s snapshot, recording `boundary`.
+    async fn empty_and_copy(
+        &self,
+        (source, target): (&Client, &Client),
+        qualified: &str,
+        boundary: trellara_common::Lsn,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<u64, ReseedError> {
+        self.dependents(target, qualified, true).await?;
+        target
+            .batch_execute(&format!("DELETE FROM {qualified}"))
+            .await
+            .map_err(ReseedError::Target)?;
+        Ok(crate::snapshot::copy_in_snapshot(
+            self.table,
+            (source, target),
+            &self.flow.name,
+            Some(boundary),
+            progress,
+        )
+        .await?)
+    }
+
+    /// A snapshot reads the catalog as of its boundary but the rows
+    /// through the table's current files: a rewrite or TRUNCATE since, of
+    /// it or a partition, shows it none. Refused when the table's stamp
+    /// now (`watch`, outside the snapshot) is not the one `seen` in it.
+    async fn unmoved(
+        &self,
+        watch: &Client,
+        qualified: &str,
+        seen: &Option<String>,
+        at: trellara_common::Lsn,
+    ) -> Result<(), ReseedError> {
+        let now = crate::verify::catalog_stamp(watch, qualified)
+            .await
+            .map_err(ReseedError::Source)?;
+        if now == *seen {
+            return Ok(());
+        }
+        Err(ReseedError::SchemaMoved {
+            table: self.table.to_owned(),
+            at: at.to_string(),
+        })
+    }
+
+    /// Whether the target's table takes rows under `after` (the table's
+    /// description at `at`): refused by name otherwise, as a description
+    /// that could not be read (None) is.
     async fn takes(
         &self,
         source: &Client,
         target: &Client,
         at: &str,
-        schema: Option<&[u8]>,
+        after: Option<trellara_common::envelope::RelationSchema>,
     ) -> Result<(), ReseedError> {
         let (flow, table) = (self.flow, self.table);
         let refused = |problems: Vec<String>| ReseedError::HeldMismatch {
@@ -585,15 +596,11 @@ impl<'f> Refuse<'f> {
             problems,
             config: self.config.to_owned(),
         };
-        let after: trellara_common::envelope::RelationSchema =
-            match schema.map(prost::Message::decode) {
-                Some(Ok(after)) => after,
-                _ => {
-                    return Err(refused(vec![
-                        "the table's description there cannot be read".into(),
-                    ]));
-                }
-            };
+        let Some(after) = after else {
+            return Err(refused(vec![
+                "the table's description there cannot be read".into(),
+            ]));
+        };
         let Ok(name) = trellara_common::table_name::TableName::parse(table) else {
             return Err(refused(vec![format!("{table} is not schema.table")]));
         };

@@ -501,41 +501,45 @@ pub async fn join(
     joined
 }
 
-/// A boundary of its own for one copy (`reseed --table` of a held sink):
-/// a temporary slot, created within `timeout`, and its exported snapshot
-/// and consistent point. Both live as long as the returned connection.
-pub(crate) async fn own_boundary(
-    source_url: &str,
-    source: &Client,
-    timeout: Duration,
+/// A boundary of its own for one copy: a temporary slot named for
+/// `purpose` (`join`, `reseed`), its exported snapshot and consistent
+/// point, which live as long as the returned connection. The wait for the
+/// slot ends at `stop`, or past `timeout` with the transactions it waited
+/// for named.
+pub(crate) async fn temporary_slot(
+    (source_url, source): (&str, &Client),
+    purpose: &str,
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
+    timeout: Option<Duration>,
 ) -> Result<(Connection, String, Lsn), SnapshotError> {
     let mut options: ConnectOptions = source_url.parse()?;
     options.replication = true;
     let mut repl = Connection::connect(&options).await?;
     let pid = repl.backend_pid();
-    let name = format!("trellara_reseed_{pid}");
+    let name = format!("trellara_{purpose}_{pid}");
     let created = {
-        let create = repl.create_temporary_slot(&name);
-        tokio::time::timeout(timeout, slot_created(create, &name, source, pid, None)).await
-    };
-    let created = match created {
-        Ok(created) => created?,
-        Err(_) => {
-            let waiting = blocking_transactions(source, pid).await;
-            // Not left waiting on the server to make a slot nobody reads.
-            let _ = source
-                .execute("SELECT pg_cancel_backend($1)", &[&pid])
-                .await;
-            return Err(SnapshotError::Table {
-                table: "-".into(),
-                problem: format!(
-                    "a temporary slot for the copy's boundary was not made within {} s, waiting for: {waiting}",
-                    timeout.as_secs(),
-                ),
-                hint: "let those transactions end (COMMIT PREPARED / ROLLBACK PREPARED a prepared one), or reseed with a longer --fence-timeout".into(),
-            });
+        let create = slot_created(repl.create_temporary_slot(&name), &name, source, pid, stop);
+        match timeout {
+            Some(limit) => tokio::time::timeout(limit, create).await.ok(),
+            None => Some(create.await),
         }
     };
+    let Some(created) = created else {
+        let waiting = blocking_transactions(source, pid).await;
+        // Not left waiting on the server to make a slot nobody reads.
+        let _ = source
+            .execute("SELECT pg_cancel_backend($1)", &[&pid])
+            .await;
+        return Err(SnapshotError::Table {
+            table: "-".into(),
+            problem: format!(
+                "a temporary slot for the copy's boundary was not made within {} s, waiting for: {waiting}",
+                timeout.unwrap_or_default().as_secs(),
+            ),
+            hint: "let those transactions end (COMMIT PREPARED / ROLLBACK PREPARED a prepared one), or reseed with a longer --fence-timeout".into(),
+        });
+    };
+    let created = created?;
     let snapshot = created.snapshot_name.ok_or_else(no_snapshot)?;
     Ok((repl, snapshot, created.consistent_point))
 }
@@ -547,18 +551,8 @@ async fn copy_at_own_boundary(
     tables: &[String],
     progress: &mut dyn FnMut(&str),
 ) -> Result<Lsn, SnapshotError> {
-    let (source, source_url) = (io.source, io.source_url);
-    let mut options: ConnectOptions = source_url.parse()?;
-    options.replication = true;
-    let mut repl = Connection::connect(&options).await?;
-    let pid = repl.backend_pid();
-    let name = format!("trellara_join_{pid}");
-    let created = {
-        let create = repl.create_temporary_slot(&name);
-        slot_created(create, &name, source, pid, io.stop.clone()).await?
-    };
-    let snapshot = created.snapshot_name.ok_or_else(no_snapshot)?;
-    let boundary = created.consistent_point;
+    let (repl, snapshot, boundary) =
+        temporary_slot((io.source_url, io.source), "join", io.stop.clone(), None).await?;
     io.boundary = Some(boundary);
     progress(&format!(
         "join: copying {} at a boundary of their own, {boundary}",
